@@ -1,0 +1,138 @@
+"""Pure-PyTorch backend: the same four launchers as :mod:`tritonbn.kernels`, with the same math.
+
+It runs wherever PyTorch runs (CPU without the Triton interpreter, or a device Triton cannot target),
+keeps every result on the device (no host synchronization), and uses the same shifted statistics,
+fp64 sums and split fp64 mean as the kernels, so both backends agree to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _dims(x: torch.Tensor) -> list[int]:
+    return [0, *range(2, x.dim())]
+
+
+def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return v.reshape(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _split_mean(mean64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hi = mean64.float()
+    return hi, (mean64 - hi.double()).float()
+
+
+def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
+    """See :func:`tritonbn.kernels.batch_norm_stats`."""
+    C = x.shape[1]
+    n = x.numel() // C if C else 0
+    stats = torch.zeros((3, C), dtype=torch.float64, device=x.device)
+    if n == 0:
+        return stats
+    shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].float()
+    var, mean = torch.var_mean(x.float() - _per_channel(shift, x), dim=_dims(x), correction=0)
+    mean64 = mean.double() + shift.double()
+    stats[0] = n * mean64
+    stats[1] = var.double() * n + n * mean64 * mean64
+    stats[2] = n
+    return stats
+
+
+def _channel_stats(stats, running_mean, running_var):
+    if stats is not None:
+        s1, s2, n = stats
+        nn = n.clamp_min(1.0)
+        mean = s1 / nn
+        return mean, (s2 / nn - mean * mean).clamp_min(0.0), n
+    return running_mean.double(), running_var.double(), None
+
+
+def batch_norm_elemt(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    stats: torch.Tensor | None = None,
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    num_batches_tracked: torch.Tensor | None = None,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`tritonbn.kernels.batch_norm_elemt`."""
+    training = stats is not None
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
+    if momentum is None and training and running_mean is not None and num_batches_tracked is None:
+        raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
+    mean64, var64, n = _channel_stats(stats, running_mean, running_var)
+    invstd = torch.rsqrt(var64 + eps).float()
+    if training and running_mean is not None:
+        keep = n[:1] > 0  # every rank empty: leave the running stats alone
+        if momentum is None:
+            factor = 1.0 / (num_batches_tracked + 1).float()
+        else:
+            factor = float(momentum)
+        unbiased = (var64 * n / (n - 1.0).clamp_min(1.0)).float()
+        new_mean = running_mean.float() * (1.0 - factor) + mean64.float() * factor
+        new_var = running_var.float() * (1.0 - factor) + unbiased * factor
+        running_mean.copy_(torch.where(keep, new_mean, running_mean.float()))
+        running_var.copy_(torch.where(keep, new_var, running_var.float()))
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(keep.reshape(()).long())
+    hi, lo = _split_mean(mean64)
+    scale = invstd * weight.float() if weight is not None else invstd
+    xc = (x.float() - _per_channel(hi, x)) - _per_channel(lo, x)
+    y = xc * _per_channel(scale, x)
+    if bias is not None:
+        y = y + _per_channel(bias.float(), x)
+    out = torch.empty_like(x)
+    out.copy_(y)
+    return out, mean64, invstd
+
+
+def batch_norm_backward_reduce(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    weight_grad: bool = True,
+    bias_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """See :func:`tritonbn.kernels.batch_norm_backward_reduce`."""
+    hi, lo = _split_mean(mean)
+    dy = grad_out.float()
+    xc = (x.float() - _per_channel(hi, x)) - _per_channel(lo, x)
+    dims = _dims(x)
+    sums = torch.stack([dy.sum(dims), (dy * xc).sum(dims) * invstd])
+    gdtype = weight.dtype if weight is not None else torch.float32
+    grad_weight = sums[1].to(gdtype, copy=True) if weight_grad else None
+    grad_bias = sums[0].to(gdtype, copy=True) if bias_grad else None
+    return sums, grad_weight, grad_bias
+
+
+def batch_norm_backward_elemt(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See :func:`tritonbn.kernels.batch_norm_backward_elemt`."""
+    if sums is not None and count is None:
+        raise ValueError("batch_norm_backward_elemt: sums needs count")
+    scale = invstd * weight.float() if weight is not None else invstd
+    dy = grad_out.float()
+    if sums is not None:
+        inv_n = 1.0 / count.clamp_min(1.0).float()
+        hi, lo = _split_mean(mean)
+        xc = (x.float() - _per_channel(hi, x)) - _per_channel(lo, x)
+        dy = dy - _per_channel(sums[0] * inv_n, x) - xc * _per_channel(sums[1] * inv_n * invstd, x)
+    out = torch.empty_like(x)
+    out.copy_(dy * _per_channel(scale, x))
+    return out

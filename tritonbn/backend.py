@@ -1,0 +1,84 @@
+"""Which implementation runs a call: the Triton kernels or the pure-PyTorch backend.
+
+``TRITONBN_BACKEND`` (read at each call) chooses:
+
+* ``auto`` (default): Triton for CUDA tensors; for CPU tensors Triton only when the kernels were
+  loaded under the Triton interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is imported),
+  otherwise the PyTorch backend.
+* ``triton``: always the kernels; an error explains why when they cannot run on the input.
+* ``torch``: always the PyTorch backend.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from tritonbn import _torch_backend
+
+BACKENDS = ("auto", "triton", "torch")
+
+_kernels: ModuleType | None = None
+_kernels_error: str | None = None
+
+
+def _load_kernels() -> ModuleType | None:
+    global _kernels, _kernels_error
+    if _kernels is None and _kernels_error is None:
+        try:
+            from tritonbn import kernels
+
+            _kernels = kernels
+        except ImportError as e:  # triton missing or broken on this platform
+            _kernels_error = f"triton could not be imported ({e})"
+    return _kernels
+
+
+def interpreted() -> bool:
+    """Whether the Triton kernels were loaded under the Triton interpreter."""
+    kernels = _load_kernels()
+    if kernels is None:
+        return False
+    from tritonbn.kernels.stats import _batch_norm_stats_kernel
+
+    return type(_batch_norm_stats_kernel).__name__ == "InterpretedFunction"
+
+
+def _triton_unusable(x: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on ``x``, or ``None`` when they can."""
+    if _load_kernels() is None:
+        return _kernels_error
+    if x.device.type == "cuda" or interpreted():
+        return None
+    return (
+        f"tensors on {x.device.type} need the Triton interpreter: set TRITON_INTERPRET=1 before triton is "
+        "imported (before importing tritonbn), or use TRITONBN_BACKEND=torch"
+    )
+
+
+def selected() -> str:
+    """The value of ``TRITONBN_BACKEND``, checked."""
+    name = os.environ.get("TRITONBN_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"TRITONBN_BACKEND must be one of {', '.join(BACKENDS)}, got {name!r}")
+    return name
+
+
+def ops_for(x: torch.Tensor) -> ModuleType:
+    """The module of launchers (``batch_norm_stats`` and the rest) that runs on ``x``."""
+    name = selected()
+    if name == "torch":
+        return _torch_backend
+    why = _triton_unusable(x)
+    if why is None:
+        return _kernels
+    if name == "triton":
+        raise RuntimeError(f"TRITONBN_BACKEND=triton, but the Triton kernels cannot run here: {why}")
+    return _torch_backend
+
+
+def name_for(x: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"``: the backend a call on ``x`` would use."""
+    return "torch" if ops_for(x) is _torch_backend else "triton"

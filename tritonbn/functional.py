@@ -1,0 +1,194 @@
+"""Synchronized batch norm as one autograd Function: the launchers plus one all-reduce per pass.
+
+Forward (training)::
+
+    stats = batch_norm_stats(x)                 # local [sum_x | sum_x2 | count], (3, C) fp64
+    all_reduce(stats)                           # THE forward collective: 3*C doubles, any world size
+    y, mean, invstd = batch_norm_elemt(...)     # also updates the running stats on the device
+
+Backward (training)::
+
+    sums, dw, db = batch_norm_backward_reduce(dy, x, mean, invstd, w)   # local, (2, C) fp32
+    all_reduce(sums)                            # THE backward collective: 2*C floats
+    dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count)
+
+Derivation. With ``xhat = (x - mean) * invstd`` over the global batch of ``n`` elements per
+channel and ``y = xhat * w + b``, the gradient of any loss with respect to ``x`` is
+
+    dx = w * invstd * (dy - mean(dy) - xhat * mean(dy * xhat))
+
+where the means run over the *global* batch: this is why backward needs the global
+``sum(dy)`` and ``sum(dy * xhat)``, and nothing else, from the other ranks. ``dw = sum(dy * xhat)``
+and ``db = sum(dy)`` stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them.
+
+In eval (running statistics) mean and invstd are constants: ``dx = w * invstd * dy``, and nothing
+communicates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonbn.backend import ops_for
+from tritonbn.distributed import all_reduce_sum, resolve_group
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_vector(name: str, t: torch.Tensor | None, C: int, x: torch.Tensor) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape ({C},) or None, got {type(t).__name__}")
+    if t.shape != (C,):
+        raise ValueError(f"{name} must have shape ({C},) to match the {C} channels of input, got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on the input's device {x.device}, got {t.device}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def check_inputs(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    momentum: float | None,
+    eps: float,
+    num_batches_tracked: torch.Tensor | None = None,
+) -> None:
+    """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a tensor, got {type(input).__name__}")
+    if input.dim() < 2:
+        raise ValueError(f"input must have at least 2 dimensions (N, C, *S), got shape {tuple(input.shape)}")
+    if input.dim() > 5:
+        raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got {input.dim()}: {tuple(input.shape)}")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got dtype {input.dtype}")
+    C = input.shape[1]
+    if C == 0:
+        raise ValueError(f"input must have at least one channel (dim 1), got shape {tuple(input.shape)}")
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
+        _check_vector(name, t, C, input)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must both be tensors or both be None")
+    if momentum is not None and not (0.0 <= float(momentum) <= 1.0):
+        raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if num_batches_tracked is not None:
+        if num_batches_tracked.numel() != 1 or num_batches_tracked.dtype != torch.long:
+            raise ValueError(
+                "num_batches_tracked must be a one-element int64 tensor, got "
+                f"shape {tuple(num_batches_tracked.shape)} dtype {num_batches_tracked.dtype}"
+            )
+        if num_batches_tracked.device != input.device:
+            raise ValueError(
+                f"num_batches_tracked must be on the input's device {input.device}, got {num_batches_tracked.device}"
+            )
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch norm over the global batch of ``group`` (``None``: this rank's batch alone)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group):
+        ops = ops_for(x)
+        count = None
+        if training:
+            stats = ops.batch_norm_stats(x)
+            all_reduce_sum(stats, group)
+            y, mean, invstd = ops.batch_norm_elemt(
+                x,
+                weight,
+                bias,
+                stats=stats,
+                running_mean=running_mean,
+                running_var=running_var,
+                num_batches_tracked=num_batches_tracked,
+                momentum=momentum,
+                eps=eps,
+            )
+            count = stats[2]
+        else:
+            y, mean, invstd = ops.batch_norm_elemt(
+                x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps
+            )
+        ctx.save_for_backward(x, weight, mean, invstd, count)
+        ctx.training = training
+        ctx.group = group
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        ops = ops_for(x)
+        dx = dw = db = None
+        if need_w or need_b or (need_x and ctx.training):
+            sums, dw, db = ops.batch_norm_backward_reduce(
+                grad_out, x, mean, invstd, weight, weight_grad=need_w, bias_grad=need_b
+            )
+        if need_x:
+            if ctx.training:
+                all_reduce_sum(sums, ctx.group)
+                dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight, sums, count)
+            else:
+                dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight)
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+def batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+    group,
+    num_batches_tracked: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Checked entry point shared by :func:`sync_batch_norm` and the module. ``group`` is resolved."""
+    check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked)
+    if not training and running_mean is None:
+        raise ValueError("running_mean and running_var are required when training=False")
+    if training and group is None and input.numel() // input.shape[1] == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
+        )
+    if training and momentum is None and running_mean is not None and num_batches_tracked is None:
+        raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
+    return SyncBatchNormFunction.apply(
+        input, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group
+    )
+
+
+def sync_batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+    process_group=None,
+    *,
+    num_batches_tracked: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Batch norm whose training statistics cover the global batch of ``process_group``.
+
+    Arguments follow :func:`torch.nn.functional.batch_norm`. In training the batch statistics are
+    summed over ``process_group`` (default: the world group) with one all-reduce, and the
+    running statistics, when given, are updated in place on the device. ``momentum=None`` is a
+    cumulative average and needs ``num_batches_tracked`` (``() int64``, incremented in place).
+    Without an initialized process group, or at world size 1, this is plain batch norm.
+    """
+    group = resolve_group(process_group) if training else None
+    return batch_norm(
+        input, running_mean, running_var, weight, bias, training, momentum, eps, group, num_batches_tracked
+    )

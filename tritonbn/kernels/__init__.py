@@ -1,0 +1,32 @@
+"""Triton kernels for batch normalization, and their launchers.
+
+Each launcher takes and returns plain tensors, and accepts inputs ``(N, C, *S)`` of rank 2 to 5
+with any strides (contiguous, channels_last, channels_last_3d, permuted) without copying them.
+A training step is::
+
+    stats = batch_norm_stats(x)                      # (3, C) fp64 [sum_x | sum_x2 | count]
+    dist.all_reduce(stats)                           # the one forward collective (if any)
+    y, mean, invstd = batch_norm_elemt(x, w, b, stats=stats, running_mean=rm, running_var=rv)
+    ...
+    sums, gw, gb = batch_norm_backward_reduce(dy, x, mean, invstd, w)
+    dist.all_reduce(sums)                            # the one backward collective (if any)
+    dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[2])
+
+A training forward takes 3 kernel launches (stats, its deterministic finalize, elemt) and a
+backward 3 (reduce, finalize, elemt). Eval takes 1 (elemt with the running statistics).
+"""
+
+from tritonbn.kernels._layout import Plan, plan
+from tritonbn.kernels.backward_elemt import batch_norm_backward_elemt
+from tritonbn.kernels.backward_reduce import batch_norm_backward_reduce
+from tritonbn.kernels.elemt import batch_norm_elemt
+from tritonbn.kernels.stats import batch_norm_stats
+
+__all__ = [
+    "Plan",
+    "plan",
+    "batch_norm_stats",
+    "batch_norm_elemt",
+    "batch_norm_backward_reduce",
+    "batch_norm_backward_elemt",
+]

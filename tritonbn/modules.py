@@ -1,0 +1,133 @@
+"""``tritonbn.SyncBatchNorm`` and the one-call conversions to and from it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from tritonbn.distributed import resolve_group
+from tritonbn.functional import batch_norm
+
+_ORIGINAL = "_tritonbn_original_class"
+_PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch norm over the global batch of ``process_group``, for inputs ``(N, C, *S)`` of rank 2 to 5.
+
+    Same constructor, parameters, buffers and ``state_dict`` keys as ``torch.nn.SyncBatchNorm``.
+    Training synchronizes the statistics with one all-reduce per pass; eval uses the running
+    statistics (or, with ``track_running_stats=False``, this rank's batch) and communicates nothing.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if momentum is not None and not (0.0 <= float(momentum) <= 1.0):
+            raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2 or input.dim() > 5:
+            raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got shape {tuple(input.shape)}")
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"input has {input.shape[1]} channels (dim 1), but num_features={self.num_features}"
+            )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        tracking = not self.training or self.track_running_stats
+        # Eval with track_running_stats=False normalizes with this rank's batch, without communicating.
+        group = resolve_group(self.process_group) if self.training else None
+        return batch_norm(
+            input,
+            self.running_mean if tracking else None,
+            self.running_var if tracking else None,
+            self.weight,
+            self.bias,
+            bn_training,
+            self.momentum,
+            self.eps,
+            group,
+            self.num_batches_tracked if (self.training and self.track_running_stats) else None,
+        )
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """Same as :func:`tritonbn.convert_sync_batchnorm`."""
+        return convert_sync_batchnorm(module, process_group)
+
+
+def _move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
+    """Give ``dst`` the very parameters and buffers of ``src``, and its mode."""
+    if src.affine:
+        dst.weight = src.weight
+        dst.bias = src.bias
+    if src.track_running_stats:
+        dst.running_mean = src.running_mean
+        dst.running_var = src.running_var
+        dst.num_batches_tracked = src.num_batches_tracked
+    dst.train(src.training)
+    if hasattr(src, "qconfig"):
+        dst.qconfig = src.qconfig
+    return dst
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
+    """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by :class:`SyncBatchNorm`.
+
+    The new modules share the original parameters and buffers (so device, dtype,
+    ``requires_grad`` and optimizer references are kept) and the training mode, and remember the
+    original class for :func:`revert_sync_batchnorm`. Other norms are left alone. Returns the
+    converted module (``module`` itself, changed in place, unless ``module`` is a batch norm).
+    """
+    out = module
+    if isinstance(module, _PLAIN) and not isinstance(module, SyncBatchNorm):
+        out = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
+            device="meta",
+        )
+        _move_state(module, out)
+        setattr(out, _ORIGINAL, type(module))
+    for name, child in module.named_children():
+        out.add_module(name, convert_sync_batchnorm(child, process_group))
+    return out
+
+
+def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] = nn.BatchNorm2d) -> nn.Module:
+    """Replace every :class:`SyncBatchNorm` in ``module`` by the class it was converted from.
+
+    A module built directly as ``tritonbn.SyncBatchNorm`` (no original class recorded) becomes
+    ``default``. Parameters, buffers and training mode are shared, as in the conversion.
+    """
+    out = module
+    if isinstance(module, SyncBatchNorm):
+        cls = getattr(module, _ORIGINAL, default)
+        kwargs = {"process_group": module.process_group} if issubclass(cls, nn.SyncBatchNorm) else {}
+        out = cls(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+            device="meta", **kwargs,
+        )
+        _move_state(module, out)
+    for name, child in module.named_children():
+        out.add_module(name, revert_sync_batchnorm(child, default))
+    return out
