@@ -157,9 +157,7 @@ def batch_norm(
     if not training and running_mean is None:
         raise ValueError("running_mean and running_var are required when training=False")
     if training and group is None and input.numel() // input.shape[1] == 1:
-        raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
-        )
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}")
     if training and momentum is None and running_mean is not None and num_batches_tracked is None:
         raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
     return SyncBatchNormFunction.apply(

@@ -43,9 +43,7 @@ class SyncBatchNorm(_BatchNorm):
         if input.dim() < 2 or input.dim() > 5:
             raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got shape {tuple(input.shape)}")
         if input.shape[1] != self.num_features:
-            raise ValueError(
-                f"input has {input.shape[1]} channels (dim 1), but num_features={self.num_features}"
-            )
+            raise ValueError(f"input has {input.shape[1]} channels (dim 1), but num_features={self.num_features}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -124,8 +122,13 @@ def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] = nn.Batc
         cls = getattr(module, _ORIGINAL, default)
         kwargs = {"process_group": module.process_group} if issubclass(cls, nn.SyncBatchNorm) else {}
         out = cls(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-            device="meta", **kwargs,
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            device="meta",
+            **kwargs,
         )
         _move_state(module, out)
     for name, child in module.named_children():

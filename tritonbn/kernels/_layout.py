@@ -35,7 +35,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -102,7 +102,7 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], devi
     for size, strides in dims:
         if merged:
             psize, pstrides = merged[-1]
-            if all(ps == s * size for ps, s in zip(pstrides, strides)):
+            if all(ps == s * size for ps, s in zip(pstrides, strides, strict=True)):
                 merged[-1] = (psize * size, strides)
                 continue
         merged.append((size, strides))
@@ -134,10 +134,9 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], devi
     tiles_per_prog = max(1, -(-tiles // r_progs))
     r_progs = max(1, -(-tiles // tiles_per_prog))  # drop programs that would get no tile
 
-    numel = 1
-    for d in shape:
-        numel *= d
-    max_offset = max(sum((size - 1) * abs(s) for size, s in zip(shape, st)) for st in all_strides) if numel else 0
+    max_offset = 0
+    if all(shape):
+        max_offset = max(sum((size - 1) * abs(s) for size, s in zip(shape, st, strict=True)) for st in all_strides)
     return Plan(
         C=C,
         O1=o1,

@@ -164,7 +164,5 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
         num_warps=layout.num_warps,
     )
     block_r, block_c = finalize_blocks(R, C)
-    _batch_norm_stats_finalize_kernel[(triton.cdiv(C, block_c),)](
-        part, stats, R, C, BLOCK_R=block_r, BLOCK_C=block_c
-    )
+    _batch_norm_stats_finalize_kernel[(triton.cdiv(C, block_c),)](part, stats, R, C, BLOCK_R=block_r, BLOCK_C=block_c)
     return stats
