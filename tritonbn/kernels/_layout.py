@@ -125,7 +125,7 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], devi
         BLOCK_C = min(c_pow2, 128)
         BLOCK_I = max(1, min(i_pow2, tile // BLOCK_C))
     else:  # NCHW and the rest: lanes along the inner dim
-        BLOCK_I = min(i_pow2, 1024)
+        BLOCK_I = min(i_pow2, 1024, tile)
         BLOCK_C = max(1, min(c_pow2, tile // BLOCK_I))
     c_blocks = -(-C // BLOCK_C)
     inner_tiles = -(-inner_size // BLOCK_I)

@@ -1,0 +1,97 @@
+"""The launchers of tritonbn.kernels on their own, and the backend switch."""
+
+import pytest
+import torch
+from oracle import make_layout
+
+import tritonbn
+from tritonbn import backend
+from tritonbn.kernels import _layout, plan
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Force tiny tiles so every kernel runs many tiles per program and many programs."""
+    monkeypatch.setattr(_layout, "_CPU_TILE", 8)
+    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
+    _layout._plan.cache_clear()
+    yield
+    _layout._plan.cache_clear()
+
+
+def test_plan_folds_layouts():
+    x = torch.empty(4, 6, 5, 7)
+    p = plan(x.shape, x)
+    assert (p.outer, p.INNER, p.strides[0][4]) == (4, 35, 1)  # NCHW: outer N, inner H*W contiguous
+    cl = x.contiguous(memory_format=torch.channels_last)
+    p = plan(cl.shape, cl)
+    assert (p.outer, p.INNER, p.strides[0][0], p.strides[0][4]) == (1, 140, 1, 6)  # one strided inner dim
+    x2 = torch.empty(9, 6)
+    p = plan(x2.shape, x2)
+    assert (p.outer, p.INNER) == (1, 9)
+    # joint folding: an NCHW x with a channels_last y cannot fold H*W for both
+    p = plan(x.shape, x, cl)
+    assert p.outer * p.INNER == 4 * 35 and p.outer > 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted"])
+def test_launchers_many_programs(backend_name, small_tiles, layout):
+    """The launchers, step by step, with the per-program partials and their deterministic merge."""
+    ops = backend.ops_for(torch.empty(0))
+    torch.manual_seed(5)
+    x = make_layout(torch.randn(3, 5, 4, 6) * 3 + 2, layout)
+    assert backend_name == "torch" or plan(x.shape, x).r_progs > 1
+    xd = x.double()
+    stats = ops.batch_norm_stats(x)
+    n = 3 * 4 * 6
+    torch.testing.assert_close(stats[0], xd.sum((0, 2, 3)), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(stats[1], (xd * xd).sum((0, 2, 3)), atol=1e-5, rtol=1e-6)
+    assert torch.equal(stats[2], torch.full((5,), float(n), dtype=torch.float64))
+
+    w, b = torch.rand(5) + 0.5, torch.randn(5)
+    y, mean, invstd = ops.batch_norm_elemt(x, w, b, stats=stats)
+    var = xd.var((0, 2, 3), unbiased=False)
+    torch.testing.assert_close(mean, xd.mean((0, 2, 3)), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(invstd.double(), (var + 1e-5).rsqrt(), atol=1e-6, rtol=1e-6)
+    shape4 = (1, 5, 1, 1)
+    y_ref = (xd - mean.view(shape4)) * (invstd.double() * w.double()).view(shape4) + b.double().view(shape4)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
+
+    dy = make_layout(torch.randn(3, 5, 4, 6), layout)
+    sums, gw, gb = ops.batch_norm_backward_reduce(dy, x, mean, invstd, w)
+    xhat = (xd - mean.view(shape4)) * invstd.double().view(shape4)
+    torch.testing.assert_close(sums[0].double(), dy.double().sum((0, 2, 3)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums[1].double(), (dy.double() * xhat).sum((0, 2, 3)), atol=1e-4, rtol=1e-5)
+    assert torch.equal(gw, sums[1]) and torch.equal(gb, sums[0])
+    dx = ops.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[2])
+    k = (invstd.double() * w.double()).view(shape4)
+    dx_ref = k * (dy.double() - sums[0].double().view(shape4) / n - xhat * sums[1].double().view(shape4) / n)
+    torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-5)
+    assert dx.stride() == x.stride()
+
+
+def test_empty_batch_leaves_running_stats(backend_name):
+    ops = backend.ops_for(torch.empty(0))
+    x = torch.empty(0, 3, 4)
+    stats = ops.batch_norm_stats(x)
+    assert torch.equal(stats, torch.zeros(3, 3, dtype=torch.float64))
+    rm, rv, nbt = torch.full((3,), 2.0), torch.full((3,), 3.0), torch.tensor(5)
+    y, mean, invstd = ops.batch_norm_elemt(
+        x, None, None, stats=stats, running_mean=rm, running_var=rv, num_batches_tracked=nbt, momentum=None
+    )
+    assert y.shape == x.shape
+    assert torch.equal(rm, torch.full((3,), 2.0)) and torch.equal(rv, torch.full((3,), 3.0)) and nbt.item() == 5
+    assert torch.isfinite(mean).all() and torch.isfinite(invstd).all()
+
+
+def test_backend_switch(monkeypatch):
+    monkeypatch.setenv("TRITONBN_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="TRITONBN_BACKEND must be one of auto, triton, torch, got 'bogus'"):
+        tritonbn.sync_batch_norm(torch.randn(4, 3), None, None, training=True)
+    monkeypatch.setenv("TRITONBN_BACKEND", "auto")
+    assert backend.name_for(torch.empty(0)) == "triton"  # CPU under the interpreter
+    monkeypatch.setattr(backend, "interpreted", lambda: False)
+    assert backend.name_for(torch.empty(0)) == "torch"  # CPU without the interpreter falls back
+    monkeypatch.setenv("TRITONBN_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 .* or use TRITONBN_BACKEND=torch"):
+        tritonbn.sync_batch_norm(torch.randn(4, 3), None, None, training=True)
