@@ -3,14 +3,27 @@
 * :class:`SyncBatchNorm`: a drop-in for ``torch.nn.SyncBatchNorm`` and ``nn.BatchNorm*d``.
 * :func:`convert_sync_batchnorm` / :func:`revert_sync_batchnorm`: swap a model's batch norms.
 * :func:`sync_batch_norm`: the functional form.
+* :mod:`tritonbn.diagnose`, :func:`sync_running_stats`, :func:`recalibrate_batchnorm`: find and
+  repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
 
 Set ``TRITONBN_BACKEND=auto|triton|torch`` to choose the implementation (see :mod:`tritonbn.backend`).
 """
 
+from tritonbn import diagnose
+from tritonbn.diagnose import recalibrate_batchnorm, sync_running_stats
 from tritonbn.functional import sync_batch_norm
 from tritonbn.modules import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 
 __version__ = "0.1.0"
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "sync_batch_norm", "__version__"]
+__all__ = [
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
+    "sync_batch_norm",
+    "sync_running_stats",
+    "recalibrate_batchnorm",
+    "diagnose",
+    "__version__",
+]

@@ -1,0 +1,215 @@
+"""``tritonbn demo``: see BatchNorm statistics drift under DDP, and tritonbn prevent it.
+
+It trains one small CNN a few steps on each rank's own (deliberately different) data, several
+ways, and prints for each: how far the ranks' running statistics drifted apart, how far their eval
+outputs differ, and how far the result is from the same network trained in one process on the
+global batch. It spawns 2 CPU ranks over gloo by default, one rank per GPU when there are enough
+GPUs, and runs as it is under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import inspect
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tritonbn
+from tritonbn.backend import name_for
+from tritonbn.diagnose import check_bn_sync
+
+PER_RANK = 8
+LR = 0.05
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+        nn.BatchNorm1d(10),
+        nn.ReLU(),
+        nn.Linear(10, 4),
+    )
+
+
+def rank_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: each rank's data has its own offset and scale (non-IID shards)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(PER_RANK, 3, 12, 12, generator=g) * (1.0 + rank) + 2.0 * rank
+    return x, torch.randint(0, 4, (PER_RANK,), generator=g)
+
+
+def global_batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [rank_batch(step, r) for r in range(world)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def ddp_without_buffer_sync(model: nn.Module, device: torch.device) -> nn.Module:
+    """DDP that leaves buffers alone after init, so that drifting running statistics stay visible.
+
+    (With DDP's default, rank 0's buffers overwrite the others at every forward: the ranks then agree,
+    but on rank 0's statistics alone.)
+    """
+    params = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **no_sync)
+
+
+def train(model: nn.Module, steps: int, rank: int, world: int, device: torch.device) -> nn.Module:
+    ddp = ddp_without_buffer_sync(model, device)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    for step in range(steps):
+        x, t = rank_batch(step, rank)
+        opt.zero_grad()
+        # DDP averages gradients over ranks; scale so that the average is the global mean loss's gradient.
+        loss = F.cross_entropy(ddp(x.to(device)), t.to(device), reduction="sum") * world / (PER_RANK * world)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def train_reference(steps: int, world: int, device: torch.device) -> nn.Module:
+    model = make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(steps):
+        x, t = global_batch(step, world)
+        opt.zero_grad()
+        F.cross_entropy(model(x.to(device)), t.to(device)).backward()
+        opt.step()
+    return model
+
+
+def eval_spread(model: nn.Module, device: torch.device) -> float:
+    """Max over a fixed probe batch of (max - min) across ranks of the eval output."""
+    model.eval()
+    probe = torch.randn(16, 3, 12, 12, generator=torch.Generator().manual_seed(99)) * 2 + 1
+    with torch.no_grad():
+        y = model(probe.to(device)).double().flatten()
+    both = torch.cat([y, -y])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return float((both[: y.numel()] + both[y.numel() :]).max())
+
+
+def distance(model: nn.Module, reference: nn.Module | None) -> float:
+    if reference is None:
+        return float("nan")
+    ref = reference.state_dict()
+    return max(
+        float((v.double() - ref[k].double().to(v.device)).abs().max())
+        for k, v in model.state_dict().items()
+        if v.is_floating_point()
+    )
+
+
+def _worker(rank: int, world: int, device: torch.device, steps: int) -> None:
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    probe = torch.empty(0, device=device)
+    say(f"tritonbn demo: {world} ranks over {dist.get_backend()} on {device.type}, tritonbn backend "
+        f"'{name_for(probe)}', {steps} SGD steps, {PER_RANK} samples per rank, each rank's data shifted")  # fmt: skip
+    t0 = time.perf_counter()
+    reference = None
+    if rank == 0:
+        say("  [0/4] one process on the global batch (the reference) ...")
+        reference = train_reference(steps, world, device)
+    rows = []
+    methods = [
+        ("plain BatchNorm under DDP", lambda m: m),
+        ("torch.nn.SyncBatchNorm", nn.SyncBatchNorm.convert_sync_batchnorm),
+        ("tritonbn.SyncBatchNorm", tritonbn.convert_sync_batchnorm),
+    ]
+    plain = None
+    for i, (label, convert) in enumerate(methods, 1):
+        say(f"  [{i}/4] {label} ...")
+        model = convert(make_model()).to(device)
+        try:
+            train(model, steps, rank, world, device)
+        except (ValueError, RuntimeError) as e:  # torch.nn.SyncBatchNorm refuses CPU tensors
+            rows.append((label, None, None, None, str(e).splitlines()[0]))
+            continue
+        if plain is None:
+            plain = model
+        report = check_bn_sync(model)
+        rel = max((max(r.mean_rel, r.var_rel) for r in report.layers), default=0.0)
+        rows.append((label, rel, eval_spread(model, device), distance(model, reference), None))
+    say("  [4/4] plain BatchNorm, repaired with tritonbn.sync_running_stats ...")
+    repaired = copy.deepcopy(plain)
+    tritonbn.sync_running_stats(repaired)
+    report = check_bn_sync(repaired)
+    rel = max((max(r.mean_rel, r.var_rel) for r in report.layers), default=0.0)
+    spread = eval_spread(repaired, device)
+    rows.append(("plain BN + sync_running_stats", rel, spread, distance(repaired, reference), None))
+    say(f"  done in {time.perf_counter() - t0:.1f} s\n")
+    head = ("method", "BN stats spread", "eval spread", "distance to 1 process")
+    table = [head] + [
+        (label, "n/a", "n/a", f"n/a: {why}") if why else (label, f"{rel:.2e}", f"{spread:.2e}", f"{dist_:.2e}")
+        for label, rel, spread, dist_, why in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    for row in table:
+        say("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    say(
+        "\nBN stats spread: the largest relative difference across ranks of a running mean or var.\n"
+        "eval spread: the largest difference across ranks of the eval outputs on one probe batch.\n"
+        "distance to 1 process: the largest difference of a parameter or buffer from the same network\n"
+        "trained in one process on the global batch.\n"
+        "\nPlain BatchNorm drifts: every rank keeps its own statistics. tritonbn.SyncBatchNorm keeps the\n"
+        "ranks identical and matches one process on the global batch (to float32 rounding).\n"
+        "sync_running_stats re-aligns a drifted model's statistics; its weights were still trained\n"
+        "with per-rank statistics."
+    )
+
+
+def _spawned(rank: int, world: int, init_file: str, use_cuda: bool, steps: int) -> None:
+    torch.set_num_threads(1)
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        _worker(rank, world, torch.device("cuda", rank) if use_cuda else torch.device("cpu"), steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(world: int = 2, steps: int = 10, cpu: bool = False) -> int:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        use_cuda = not cpu and torch.cuda.is_available()
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if use_cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        try:
+            device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+            _worker(dist.get_rank(), dist.get_world_size(), device, steps)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    use_cuda = not cpu and torch.cuda.device_count() >= world
+    print(f"spawning {world} {'GPU' if use_cuda else 'CPU'} ranks ...", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(
+            _spawned, args=(world, os.path.join(tmp, "init"), use_cuda, steps), nprocs=world, join=True
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

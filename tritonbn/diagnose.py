@@ -1,0 +1,352 @@
+"""Find, confirm and repair BatchNorm statistics that drift apart across ranks.
+
+Under DDP with plain BatchNorm each rank normalizes with, and accumulates running statistics of,
+its own batches only. The ranks' running statistics drift apart, their eval outputs differ, and the
+checkpoint that ships is whichever rank saved it. This module tells you whether that happened and
+repairs it:
+
+* :func:`find_unsynced_batchnorm`: which BatchNorm modules will not synchronize (no communication).
+* :func:`check_bn_sync`: a collective comparing every BatchNorm's buffers and settings across ranks.
+* :func:`tritonbn.sync_running_stats`: pool the running statistics of all ranks (the quick repair).
+* :func:`tritonbn.recalibrate_batchnorm`: recompute them exactly on given batches ("precise BN").
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from tritonbn.distributed import resolve_group
+from tritonbn.modules import SyncBatchNorm
+
+# A layer is in sync when, per channel, max - min across ranks <= ATOL + RTOL * max(|max|, |min|).
+ATOL = 1e-6
+RTOL = 1e-5
+
+_warned_unsynced = False
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` (or ``DataParallel``) wrapper."""
+    while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+        model = model.module
+    return model
+
+
+def batchnorm_modules(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """Qualified names and modules of every BatchNorm-like module, in ``named_modules`` order."""
+    return [(name, m) for name, m in unwrap(model).named_modules() if isinstance(m, _BatchNorm)]
+
+
+def find_unsynced_batchnorm(model: nn.Module) -> list[str]:
+    """Qualified names of the BatchNorm modules whose statistics are not synchronized across ranks.
+
+    That is every ``_BatchNorm`` that is neither ``tritonbn.SyncBatchNorm`` nor
+    ``torch.nn.SyncBatchNorm``. When ``model`` is DDP-wrapped and holds any, a warning naming the fix
+    is issued once per process.
+    """
+    names = [name for name, m in batchnorm_modules(model) if not isinstance(m, SyncBatchNorm | nn.SyncBatchNorm)]
+    global _warned_unsynced
+    if names and isinstance(model, nn.parallel.DistributedDataParallel) and not _warned_unsynced:
+        _warned_unsynced = True
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warnings.warn(
+            f"DDP model holds {len(names)} plain BatchNorm module(s) ({shown}) whose statistics differ across "
+            "ranks. Fix: model = tritonbn.convert_sync_batchnorm(model) before wrapping it in DDP; repair a "
+            "trained model with tritonbn.sync_running_stats(model) or tritonbn.recalibrate_batchnorm(model, batches).",
+            UserWarning,
+            stacklevel=2,
+        )
+    return names
+
+
+@dataclass
+class LayerRecord:
+    """How one BatchNorm layer differs across ranks (or checkpoints)."""
+
+    name: str
+    mean_abs: float = 0.0  # max over channels of (max - min) across ranks of running_mean
+    mean_rel: float = 0.0  # the same, relative to max(|max|, |min|)
+    var_abs: float = 0.0
+    var_rel: float = 0.0
+    batches: tuple[int, int] | None = None  # (min, max) num_batches_tracked across ranks
+    mismatches: list[str] = field(default_factory=list)  # settings that differ: momentum, eps, ...
+    diverged: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not (self.diverged or self.mismatches or (self.batches and self.batches[0] != self.batches[1]))
+
+
+@dataclass
+class SyncReport:
+    """Result of :func:`check_bn_sync` or of ``tritonbn doctor``; ``str(report)`` is a readable table."""
+
+    layers: list[LayerRecord]
+    world_size: int
+    atol: float = ATOL
+    rtol: float = RTOL
+
+    @property
+    def ok(self) -> bool:
+        return all(layer.ok for layer in self.layers)
+
+    @property
+    def diverging(self) -> list[str]:
+        return [layer.name for layer in self.layers if not layer.ok]
+
+    def __str__(self) -> str:
+        head = ("layer", "mean max|d|", "mean rel", "var max|d|", "var rel", "batches", "status")
+        rows = [
+            (
+                r.name or "<root>",
+                f"{r.mean_abs:.3g}",
+                f"{r.mean_rel:.3g}",
+                f"{r.var_abs:.3g}",
+                f"{r.var_rel:.3g}",
+                _batches_text(r.batches),
+                "ok" if r.ok else "DIVERGED" + (f" ({', '.join(r.mismatches)})" if r.mismatches else ""),
+            )
+            for r in self.layers
+        ]
+        widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        verdict = (
+            f"all {len(self.layers)} BatchNorm layers in sync across {self.world_size} ranks"
+            if self.ok
+            else f"{len(self.diverging)} of {len(self.layers)} BatchNorm layers diverge across {self.world_size} "
+            f"ranks: {', '.join(self.diverging)}"
+        )
+        return "\n".join([*lines, verdict])
+
+
+def _batches_text(batches: tuple[int, int] | None) -> str:
+    if batches is None:
+        return "-"
+    lo, hi = batches
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def _spread(hi: torch.Tensor, lo: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool]:
+    """Max absolute and relative spread ``hi - lo`` over channels, and whether it is out of tolerance."""
+    if hi.numel() == 0:
+        return 0.0, 0.0, False
+    diff = hi - lo
+    scale = torch.maximum(hi.abs(), lo.abs())
+    rel = torch.where(diff > 0, diff / scale.clamp_min(1e-30), torch.zeros_like(diff))
+    nan = torch.isnan(diff).any().item()
+    over = bool(nan or (diff > atol + rtol * scale).any().item())
+    return float(diff.max().item()) if not nan else math.nan, float(rel.max().item()) if not nan else math.nan, over
+
+
+def layer_record(
+    name: str, hi: torch.Tensor, lo: torch.Tensor, C: int, tracked: bool, atol: float = ATOL, rtol: float = RTOL
+) -> LayerRecord:
+    """A record from the per-element max and min across ranks of ``[mean (C) | var (C) | nbt (1) | settings]``."""
+    record = LayerRecord(name)
+    if tracked:
+        record.mean_abs, record.mean_rel, d1 = _spread(hi[:C], lo[:C], atol, rtol)
+        record.var_abs, record.var_rel, d2 = _spread(hi[C : 2 * C], lo[C : 2 * C], atol, rtol)
+        record.batches = (int(lo[2 * C].item()), int(hi[2 * C].item()))
+        record.diverged = d1 or d2
+    settings = hi[-4:] != lo[-4:]
+    record.mismatches = [s for s, differs in zip(_SETTINGS, settings.tolist(), strict=True) if differs]
+    return record
+
+
+_SETTINGS = ("momentum", "eps", "affine", "track_running_stats")
+
+
+def _layer_vector(m: _BatchNorm) -> torch.Tensor:
+    """``[running_mean | running_var | num_batches_tracked | momentum, eps, affine, track]`` in fp64."""
+    parts = []
+    if m.track_running_stats and m.running_mean is not None:
+        nbt = m.num_batches_tracked if m.num_batches_tracked is not None else torch.zeros(())
+        parts += [m.running_mean.detach().double().flatten(), m.running_var.detach().double().flatten(),
+                  nbt.detach().double().reshape(1).to(m.running_mean.device)]  # fmt: skip
+    momentum = -1.0 if m.momentum is None else float(m.momentum)
+    device = m.running_mean.device if parts else torch.device("cpu")
+    settings = torch.tensor([momentum, float(m.eps), float(m.affine), float(m.track_running_stats)], device=device)
+    return torch.cat([*parts, settings.double()])
+
+
+def _collective_device(group) -> torch.device:
+    """Where a tensor must live for a collective on ``group`` (CUDA for NCCL, else CPU)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_bn_sync(model: nn.Module, process_group=None, atol: float = ATOL, rtol: float = RTOL) -> SyncReport:
+    """Compare every BatchNorm's running statistics and settings across the ranks of ``process_group``.
+
+    A layer diverges when, for some channel, the spread ``max - min`` across ranks of its running
+    mean or var exceeds ``atol + rtol * max(|max|, |min|)``, when ``num_batches_tracked`` differs, or
+    when ``momentum``, ``eps``, ``affine`` or ``track_running_stats`` differ.
+
+    A collective: every rank of the group must call it. It makes two all-reduces for the whole model:
+    a fixed-size one that checks every rank has the same BatchNorm layout (so a mismatch raises on
+    every rank instead of hanging), and one packed MAX-reduction of every layer's buffers and settings.
+    """
+    layers = batchnorm_modules(model)
+    vectors = [_layer_vector(m) for _, m in layers]
+    group = resolve_group(process_group)
+    world = dist.get_world_size(group) if group is not None else 1
+    flat = torch.cat([v.cpu() for v in vectors]) if vectors else torch.zeros(0, dtype=torch.float64)
+    if group is not None:
+        device = _collective_device(group)
+        # Layout check: number of layers and elements must agree (MAX of x and -x gives max and min).
+        sig = torch.tensor([len(layers), flat.numel()], dtype=torch.float64, device=device)
+        header = torch.cat([sig, -sig])
+        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(header[:2], -header[2:]):
+            raise ValueError(
+                "check_bn_sync: ranks hold different BatchNorm layouts (layers, elements) from "
+                f"{tuple(int(v) for v in -header[2:])} to {tuple(int(v) for v in header[:2])}; compare the models"
+            )
+        both = torch.cat([flat, -flat]).to(device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        hi, lo = both[: flat.numel()].cpu(), -both[flat.numel() :].cpu()
+    else:
+        hi = lo = flat
+    records, offset = [], 0
+    for (name, m), v in zip(layers, vectors, strict=True):
+        n = v.numel()
+        tracked = m.track_running_stats and m.running_mean is not None
+        records.append(layer_record(name, hi[offset : offset + n], lo[offset : offset + n], m.num_features, tracked,
+                                    atol, rtol))  # fmt: skip
+        offset += n
+    return SyncReport(records, world, atol, rtol)
+
+
+def _tracked(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    return [(n, m) for n, m in batchnorm_modules(model) if m.track_running_stats and m.running_mean is not None]
+
+
+@torch.no_grad()
+def sync_running_stats(model: nn.Module, process_group=None) -> int:
+    """Repair drifted running statistics by pooling them across the ranks of ``process_group``.
+
+    Every layer gets the mean over ranks of ``running_mean``, and the pooled variance
+    ``mean_r(var_r + mean_r^2) - mean^2``, which includes the spread of the means between ranks.
+    ``num_batches_tracked`` becomes the rounded mean over ranks. One packed fp64 all-reduce for the
+    whole model; afterwards every rank holds identical buffers. A collective: every rank must call it.
+    Returns the number of layers updated.
+    """
+    layers = _tracked(model)
+    group = resolve_group(process_group)
+    if group is None or not layers:
+        return len(layers)
+    world = dist.get_world_size(group)
+    device = _collective_device(group)
+    parts = []
+    for _, m in layers:
+        mean, var = m.running_mean.double(), m.running_var.double()
+        nbt = m.num_batches_tracked.double().reshape(1) if m.num_batches_tracked is not None else mean.new_zeros(1)
+        parts += [mean.to(device), (var + mean * mean).to(device), nbt.to(device)]
+    packed = torch.cat(parts)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    packed /= world
+    offset = 0
+    for _, m in layers:
+        C = m.num_features
+        mean = packed[offset : offset + C]
+        second = packed[offset + C : offset + 2 * C]
+        m.running_mean.copy_(mean)
+        m.running_var.copy_((second - mean * mean).clamp_min(0))
+        if m.num_batches_tracked is not None:
+            m.num_batches_tracked.copy_(packed[offset + 2 * C].round().long())
+        offset += 2 * C + 1
+    return len(layers)
+
+
+def _default_forward(model: nn.Module, batch):
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, list | tuple):
+        return model(batch[0])
+    raise TypeError(f"batches must yield tensors, (input, ...) tuples or dicts, got {type(batch).__name__}")
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward=None) -> int:
+    """Recompute every BatchNorm's running statistics exactly on ``batches`` ("precise BN").
+
+    Runs the model over ``batches`` (each rank its own, every rank the same number of batches) in
+    training mode, with every BatchNorm normalizing with the statistics synchronized over
+    ``process_group``, and accumulates each layer's input sums in fp64. One all-reduce at the end
+    gives every layer ``running_mean`` / ``running_var`` equal to the mean and unbiased variance of
+    the union of all ranks' batches, and ``num_batches_tracked`` the number of batches. That is
+    exact for a layer whose input does not depend on other BatchNorm layers (the first one); later
+    layers see inputs normalized with per-batch statistics, as in training.
+
+    ``forward(model, batch)`` runs one batch (default: ``model(batch)`` for a tensor,
+    ``model(batch[0])`` for a tuple or list, ``model(**batch)`` for a dict). The training mode of
+    every module and the BatchNorm settings are restored afterwards. A layer that sees no data keeps
+    its statistics. A collective: every rank must call it. Returns the number of batches run.
+    """
+    from tritonbn.backend import ops_for
+    from tritonbn.functional import batch_norm
+
+    forward = forward or _default_forward
+    root = unwrap(model)
+    layers = batchnorm_modules(root)
+    group = resolve_group(process_group)
+    modes = [(m, m.training) for m in root.modules()]
+    sums: dict[int, torch.Tensor] = {}
+
+    def patched(m: _BatchNorm):
+        def fwd(x):
+            stats = ops_for(x).batch_norm_stats(x)
+            sums[id(m)] = stats if id(m) not in sums else sums[id(m)] + stats
+            return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group)
+
+        return fwd
+
+    count = 0
+    try:
+        root.train()
+        for _, m in layers:
+            m.forward = patched(m)
+        for batch in batches:
+            forward(model, batch)
+            count += 1
+    finally:
+        for _, m in layers:
+            m.__dict__.pop("forward", None)
+        for m, training in modes:
+            m.training = training
+
+    tracked = _tracked(root)
+    if not tracked:
+        return count
+    device = _collective_device(group)
+    packed = torch.cat(
+        [sums.get(id(m), torch.zeros(3, m.num_features, dtype=torch.float64)).to(device).flatten() for _, m in tracked]
+    )
+    if group is not None:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for _, m in tracked:
+        C = m.num_features
+        s1, s2, n = packed[offset : offset + 3 * C].view(3, C).to(m.running_mean.device)
+        offset += 3 * C
+        if not (n > 0).all():
+            continue
+        mean = s1 / n
+        var = ((s2 - n * mean * mean) / (n - 1).clamp_min(1)).clamp_min(0)
+        m.reset_running_stats()
+        m.running_mean.copy_(mean)
+        m.running_var.copy_(var)
+        if m.num_batches_tracked is not None:
+            m.num_batches_tracked.fill_(count)
+    return count
