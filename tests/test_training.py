@@ -8,6 +8,7 @@ from dist import load_ranks, save_rank, spawn
 from torch import nn
 
 import tritonbn
+from tritonbn.demo import ddp_without_buffer_sync
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +41,7 @@ def batch(step):
 
 def _rank_train(rank, world, out_dir):
     model = tritonbn.convert_sync_batchnorm(make_model())
-    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    ddp = ddp_without_buffer_sync(model, torch.device("cpu"))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     start = sum(SIZES[:rank])
     for step in range(STEPS):

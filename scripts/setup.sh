@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up .venv with tritonbn (editable) and its test, plot and lint tools. Safe to run again.
+#
+# torch is installed first, on its own, so that pip never resolves a plain `torch` requirement to a
+# multi-GB CUDA build where the CPU build is wanted. TORCH_SPEC chooses it (default: torch==2.13.0,
+# which on the project's CI machines is a CPU build kept on disk). An importable torch is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    .venv/bin/python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+fi
+.venv/bin/python -m pip install --quiet -e ".[test,plot,dev]"
