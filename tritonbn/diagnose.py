@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn.distributed import resolve_group
+from tritonbn.distributed import check_signature, collective_device, debug_enabled, resolve_group
 from tritonbn.modules import SyncBatchNorm
 
 # A layer is in sync when, per channel, max - min across ranks <= ATOL + RTOL * max(|max|, |min|).
@@ -177,13 +177,6 @@ def _layer_vector(m: _BatchNorm) -> torch.Tensor:
     return torch.cat([*parts, settings.double()])
 
 
-def _collective_device(group) -> torch.device:
-    """Where a tensor must live for a collective on ``group`` (CUDA for NCCL, else CPU)."""
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def check_bn_sync(model: nn.Module, process_group=None, atol: float = ATOL, rtol: float = RTOL) -> SyncReport:
     """Compare every BatchNorm's running statistics and settings across the ranks of ``process_group``.
 
@@ -191,9 +184,10 @@ def check_bn_sync(model: nn.Module, process_group=None, atol: float = ATOL, rtol
     mean or var exceeds ``atol + rtol * max(|max|, |min|)``, when ``num_batches_tracked`` differs, or
     when ``momentum``, ``eps``, ``affine`` or ``track_running_stats`` differ.
 
-    A collective: every rank of the group must call it. It makes two all-reduces for the whole model:
-    a fixed-size one that checks every rank has the same BatchNorm layout (so a mismatch raises on
-    every rank instead of hanging), and one packed MAX-reduction of every layer's buffers and settings.
+    A collective: every rank of the group must call it, with the same BatchNorm layers (DDP
+    guarantees that). It makes one packed MAX all-reduce of every layer's buffers and settings for
+    the whole model; with ``TRITONBN_DEBUG=1`` a small signature all-reduce first checks that the
+    ranks hold the same layout, so that a mismatch raises on every rank instead of hanging.
     """
     layers = batchnorm_modules(model)
     vectors = [_layer_vector(m) for _, m in layers]
@@ -201,17 +195,10 @@ def check_bn_sync(model: nn.Module, process_group=None, atol: float = ATOL, rtol
     world = dist.get_world_size(group) if group is not None else 1
     flat = torch.cat([v.cpu() for v in vectors]) if vectors else torch.zeros(0, dtype=torch.float64)
     if group is not None:
-        device = _collective_device(group)
-        # Layout check: number of layers and elements must agree (MAX of x and -x gives max and min).
-        sig = torch.tensor([len(layers), flat.numel()], dtype=torch.float64, device=device)
-        header = torch.cat([sig, -sig])
-        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
-        if not torch.equal(header[:2], -header[2:]):
-            raise ValueError(
-                "check_bn_sync: ranks hold different BatchNorm layouts (layers, elements) from "
-                f"{tuple(int(v) for v in -header[2:])} to {tuple(int(v) for v in header[:2])}; compare the models"
-            )
-        both = torch.cat([flat, -flat]).to(device)
+        if debug_enabled():
+            check_signature(group, "check_bn_sync", {"BatchNorm layers": len(layers), "elements": flat.numel()})
+        # MAX of [x | -x] gives every element's max and min across ranks.
+        both = torch.cat([flat, -flat]).to(collective_device(group))
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         hi, lo = both[: flat.numel()].cpu(), -both[flat.numel() :].cpu()
     else:
@@ -245,7 +232,7 @@ def sync_running_stats(model: nn.Module, process_group=None) -> int:
     if group is None or not layers:
         return len(layers)
     world = dist.get_world_size(group)
-    device = _collective_device(group)
+    device = collective_device(group)
     parts = []
     for _, m in layers:
         mean, var = m.running_mean.double(), m.running_var.double()
@@ -329,7 +316,7 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
     tracked = _tracked(root)
     if not tracked:
         return count
-    device = _collective_device(group)
+    device = collective_device(group)
     packed = torch.cat(
         [sums.get(id(m), torch.zeros(3, m.num_features, dtype=torch.float64)).to(device).flatten() for _, m in tracked]
     )

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from tritonbn.backend import ops_for
-from tritonbn.distributed import all_reduce_sum, resolve_group
+from tritonbn.distributed import all_reduce_sum, check_signature, debug_enabled, dtype_code, resolve_group
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -57,17 +57,18 @@ def check_inputs(
     momentum: float | None,
     eps: float,
     num_batches_tracked: torch.Tensor | None = None,
+    num_features: int | None = None,
 ) -> None:
     """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a tensor, got {type(input).__name__}")
-    if input.dim() < 2:
-        raise ValueError(f"input must have at least 2 dimensions (N, C, *S), got shape {tuple(input.shape)}")
-    if input.dim() > 5:
-        raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got {input.dim()}: {tuple(input.shape)}")
+    if input.dim() < 2 or input.dim() > 5:
+        raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got shape {tuple(input.shape)}")
     if input.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"input must be float32, float16, bfloat16 or float64, got dtype {input.dtype}")
     C = input.shape[1]
+    if num_features is not None and C != num_features:
+        raise ValueError(f"input has {C} channels (dim 1), but num_features={num_features}")
     if C == 0:
         raise ValueError(f"input must have at least one channel (dim 1), got shape {tuple(input.shape)}")
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
@@ -88,6 +89,24 @@ def check_inputs(
             raise ValueError(
                 f"num_batches_tracked must be on the input's device {input.device}, got {num_batches_tracked.device}"
             )
+
+
+def _signature(where: int, input, training: bool, input_grad: bool) -> dict[str, float]:
+    """What every rank must agree on before a collective (TRITONBN_DEBUG=1)."""
+    ok = isinstance(input, torch.Tensor) and input.dim() >= 2
+    return {
+        "pass": where,
+        "channels": input.shape[1] if ok else -1,
+        "ndim": input.dim() if ok else -1,
+        "dtype": dtype_code(input.dtype) if ok else 0,
+        "training": int(training),
+        "input_grad": int(input_grad),
+    }
+
+
+def in_backward() -> bool:
+    """Whether this forward runs inside a backward pass: an activation-checkpointing recompute."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -125,6 +144,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, mean, invstd, count = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.training and ctx.group is not None and debug_enabled():
+            check_signature(ctx.group, "backward", _signature(2, x, True, need_x))
         ops = ops_for(x)
         dx = dw = db = None
         if need_w or need_b or (need_x and ctx.training):
@@ -151,15 +172,39 @@ def batch_norm(
     eps: float,
     group,
     num_batches_tracked: torch.Tensor | None = None,
+    *,
+    num_features: int | None = None,
+    debug_group=None,
 ) -> torch.Tensor:
-    """Checked entry point shared by :func:`sync_batch_norm` and the module. ``group`` is resolved."""
-    check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked)
-    if not training and running_mean is None:
-        raise ValueError("running_mean and running_var are required when training=False")
-    if training and group is None and input.numel() // input.shape[1] == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}")
-    if training and momentum is None and running_mean is not None and num_batches_tracked is None:
-        raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
+    """Checked entry point shared by :func:`sync_batch_norm` and the module.
+
+    ``group`` (resolved) is what the statistics are synchronized over, ``None`` for this rank alone.
+    ``debug_group`` (default ``group``) is what ``TRITONBN_DEBUG=1`` checks signatures over; the
+    module passes its group there in eval too, so that a rank in eval while others train is caught.
+    In an activation-checkpointing recompute the running statistics are left alone: they were
+    updated by the original forward.
+    """
+    debug_group = group if debug_group is None else debug_group
+    checking = debug_group is not None and debug_enabled()
+    input_grad = isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled()
+    try:
+        check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features)
+        if not training and running_mean is None:
+            raise ValueError("running_mean and running_var are required when training=False")
+        if training and group is None and input.numel() // input.shape[1] == 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
+            )
+        if training and momentum is None and running_mean is not None and num_batches_tracked is None:
+            raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
+    except (ValueError, TypeError) as error:
+        if checking:  # every rank stops here, instead of the others waiting in the next collective
+            check_signature(debug_group, "forward", _signature(1, input, training, input_grad), local_error=error)
+        raise
+    if checking:
+        check_signature(debug_group, "forward", _signature(1, input, training, input_grad))
+    if training and in_backward():
+        running_mean = running_var = num_batches_tracked = None
     return SyncBatchNormFunction.apply(
         input, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group
     )

@@ -46,11 +46,10 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"input has {input.shape[1]} channels (dim 1), but num_features={self.num_features}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         tracking = not self.training or self.track_running_stats
-        # Eval with track_running_stats=False normalizes with this rank's batch, without communicating.
-        group = resolve_group(self.process_group) if self.training else None
+        # Eval communicates nothing (with track_running_stats=False it uses this rank's own batch).
+        group = resolve_group(self.process_group)
         return batch_norm(
             input,
             self.running_mean if tracking else None,
@@ -60,8 +59,10 @@ class SyncBatchNorm(_BatchNorm):
             bn_training,
             self.momentum,
             self.eps,
-            group,
+            group if self.training else None,
             self.num_batches_tracked if (self.training and self.track_running_stats) else None,
+            num_features=self.num_features,
+            debug_group=group,
         )
 
     @classmethod
