@@ -8,7 +8,7 @@ import triton.language as tl
 def tile_index(t, inner_tiles, O1, O2, BLOCK_I: tl.constexpr, USE_INT64: tl.constexpr):
     """Split tile number ``t`` into its outer indices ``(o0, o1, o2)`` and first inner index."""
     if USE_INT64:
-        t = t.to(tl.int64)
+        t = tl.cast(t, tl.int64)
     o = t // inner_tiles
     i0 = (t - o * inner_tiles) * BLOCK_I
     o2 = o % O2

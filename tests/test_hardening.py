@@ -1,0 +1,325 @@
+"""Bad input, cross-rank mismatches, NaN/Inf, activation checkpointing and scale."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as cp
+from dist import load_ranks, save_rank, spawn
+from oracle import Oracle
+
+import tritonbn
+from tritonbn import backend
+from tritonbn.kernels import _layout, plan
+
+# --- clear errors before any collective -----------------------------------------------------------
+
+
+def _state(bn):
+    return {k: v.clone() for k, v in bn.state_dict().items()}
+
+
+ERRORS = [
+    # (description, call, exception, message fragment)
+    (
+        "1-D input",
+        lambda bn: bn(torch.randn(5)),
+        ValueError,
+        "input must have 2 to 5 dimensions (N, C, *S), got shape (5,)",
+    ),
+    ("6-D input", lambda bn: bn(torch.randn(2, 3, 1, 1, 1, 1)), ValueError, "input must have 2 to 5 dimensions"),
+    ("channels", lambda bn: bn(torch.randn(2, 4, 5)), ValueError, "input has 4 channels (dim 1), but num_features=3"),
+    ("int input", lambda bn: bn(torch.ones(2, 3, dtype=torch.long)), TypeError, "got dtype torch.int64"),
+    ("bool input", lambda bn: bn(torch.ones(2, 3, dtype=torch.bool)), TypeError, "got dtype torch.bool"),
+    ("complex input", lambda bn: bn(torch.ones(2, 3, dtype=torch.complex64)), TypeError, "got dtype torch.complex64"),
+    ("one value per channel", lambda bn: bn(torch.randn(1, 3)), ValueError, "Expected more than 1 value per channel"),
+]
+
+
+@pytest.mark.parametrize("what, call, exc, message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_module_errors(backend_name, what, call, exc, message):
+    bn = tritonbn.SyncBatchNorm(3)
+    bn(torch.randn(4, 3))  # a real step first, so buffers are not at their defaults
+    before = _state(bn)
+    with pytest.raises(exc, match=re.escape(message)):
+        call(bn)
+    after = _state(bn)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a rejected call changed a buffer"
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="num_features must be a positive int, got 0"):
+        tritonbn.SyncBatchNorm(0)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\] or None, got 1.5"):
+        tritonbn.SyncBatchNorm(3, momentum=1.5)
+
+
+def test_momentum_set_after_construction(backend_name):
+    bn = tritonbn.SyncBatchNorm(3)
+    bn.momentum = -0.1
+    before = _state(bn)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\] or None, got -0.1"):
+        bn(torch.randn(4, 3))
+    assert all(torch.equal(v, bn.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        (
+            "weight",
+            {"weight": torch.ones(4)},
+            r"weight must have shape \(3,\) to match the 3 channels of input, got \(4,\)",
+        ),
+        ("bias", {"bias": torch.ones(3, 1)}, r"bias must have shape \(3,\)"),
+        ("running_mean", {"running_mean": torch.zeros(2), "running_var": torch.ones(3)}, r"running_mean must have"),
+        ("running_var", {"running_mean": torch.zeros(3), "running_var": torch.ones(5)}, r"running_var must have"),
+        ("device", {"weight": torch.ones(3, device="meta")}, r"weight must be on the input's device cpu, got meta"),
+        (
+            "buffer device",
+            {"running_mean": torch.zeros(3, device="meta"), "running_var": torch.ones(3)},
+            r"running_mean must be on the input's device cpu",
+        ),  # fmt: skip
+        ("int weight", {"weight": torch.ones(3, dtype=torch.long)}, r"weight must be a floating-point tensor"),
+        ("half pair", {"running_mean": torch.zeros(3)}, r"running_mean and running_var must both be tensors or both"),
+        (
+            "nbt",
+            {"num_batches_tracked": torch.zeros(2, dtype=torch.long)},
+            r"num_batches_tracked must be a one-element",
+        ),
+    ],
+)
+def test_functional_argument_errors(backend_name, name, kwargs, message):
+    args = {"running_mean": None, "running_var": None, **kwargs}
+    rm, rv = args.pop("running_mean"), args.pop("running_var")
+    untouched = [t.clone() for t in (rm, rv) if t is not None and t.device.type == "cpu"]
+    with pytest.raises((ValueError, TypeError), match=message):
+        tritonbn.sync_batch_norm(torch.randn(4, 3, 2), rm, rv, training=True, **args)
+    for t, u in zip([t for t in (rm, rv) if t is not None and t.device.type == "cpu"], untouched, strict=True):
+        assert torch.equal(t, u)
+
+
+# --- cross-rank mismatches: TRITONBN_DEBUG=1 -------------------------------------------------------
+
+
+def _rank_mismatch(rank, world, out_dir, case):
+    results = {}
+    bn = tritonbn.SyncBatchNorm(4 if case != "channels" or rank == 0 else 5)
+    x = torch.randn(3, bn.num_features, 2)
+    if case == "mode" and rank == 1:
+        bn.eval()
+    if case == "dtype" and rank == 1:
+        x = x.to(torch.int32)
+    try:
+        bn(x)
+        results["error"] = None
+    except (ValueError, TypeError) as e:
+        results["error"] = (type(e).__name__, str(e))
+    # the process group is still usable afterwards: nothing hangs, nothing is left half-done
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    results["after"] = t.item()
+    save_rank(out_dir, rank, results)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("channels", [("ValueError", "ranks disagree on channels (4 vs 5)")] * 2),
+        ("mode", [("ValueError", "ranks disagree on training (eval vs train)")] * 2),
+        ("dtype", [("RemoteInputError", "another rank rejected its input"), ("TypeError", "got dtype torch.int32")]),
+    ],
+)
+def test_debug_mode_raises_on_every_rank(tmp_path, monkeypatch, case, expected):
+    monkeypatch.setenv("TRITONBN_DEBUG", "1")
+    spawn(2, _rank_mismatch, str(tmp_path), case)
+    for rank, ((kind, fragment), got) in enumerate(zip(expected, load_ranks(str(tmp_path), 2), strict=True)):
+        assert got["error"] is not None, f"rank {rank} did not raise"
+        assert got["error"][0] == kind and fragment in got["error"][1], got["error"]
+        assert got["after"] == 2.0
+
+
+def _rank_debug_ok(rank, world, out_dir):
+    bn = tritonbn.SyncBatchNorm(3)
+    x = torch.randn(2 + rank, 3, 4, requires_grad=True)
+    bn(x).sum().backward()
+    bn.eval()
+    bn(x)
+    save_rank(out_dir, rank, {"grad": x.grad, "rm": bn.running_mean})
+
+
+def test_debug_mode_passes_matching_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONBN_DEBUG", "1")
+    spawn(2, _rank_debug_ok, str(tmp_path))
+    r0, r1 = load_ranks(str(tmp_path), 2)
+    assert torch.equal(r0["rm"], r1["rm"])
+
+
+# --- NaN and Inf stay in their channel ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_inf_poison_one_channel(backend_name, bad):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 5)
+    x[2, 1, 3, 4] = bad
+    x.requires_grad_()
+    bn = tritonbn.SyncBatchNorm(3)
+    y = bn(x)
+    y.sum().backward()
+    clean = [0, 2]
+    assert not torch.isfinite(y[:, 1]).all()
+    assert torch.isfinite(y[:, clean]).all() and torch.isfinite(x.grad[:, clean]).all()
+    assert torch.isfinite(bn.running_mean[clean]).all() and torch.isfinite(bn.running_var[clean]).all()
+    oracle = Oracle(2, weight=torch.ones(2), bias=torch.zeros(2))
+    y_ref, *_ = oracle.step(x.detach()[:, clean], None)
+    torch.testing.assert_close(y[:, clean].detach().double(), y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bn.running_var[clean].double(), oracle.running_var, atol=1e-6, rtol=1e-6)
+
+
+# --- activation checkpointing ---------------------------------------------------------------------
+
+
+def _block():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv1d(3, 4, 3), tritonbn.SyncBatchNorm(4), torch.nn.ReLU())
+
+
+def _checkpointed_step(x, reentrant, loss_weights):
+    block = _block()
+    x = x.clone().requires_grad_()
+    if reentrant is None:
+        y = block(x)
+    else:
+        y = cp.checkpoint(block, x, use_reentrant=reentrant)
+    (y * loss_weights).sum().backward()
+    return block, y, x.grad
+
+
+def _loss_weights(n):
+    return torch.linspace(-1, 1, n * 4 * 7).reshape(n, 4, 7)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_updates_running_stats_once(backend_name, reentrant):
+    torch.manual_seed(1)
+    x = torch.randn(5, 3, 9)
+    plain, y_plain, dx_plain = _checkpointed_step(x, None, _loss_weights(5))
+    block, y, dx = _checkpointed_step(x, reentrant, _loss_weights(5))
+    bn = block[1]
+    assert bn.num_batches_tracked.item() == 1
+    assert torch.equal(bn.running_mean, plain[1].running_mean) and torch.equal(bn.running_var, plain[1].running_var)
+    assert torch.equal(y, y_plain), "the recompute must give identical outputs"
+    assert torch.equal(dx, dx_plain)
+    assert torch.equal(bn.weight.grad, plain[1].weight.grad)
+
+
+def _rank_checkpoint(rank, world, out_dir, reentrant):
+    torch.manual_seed(2)
+    x = torch.randn(6, 3, 9)
+    block, y, dx = _checkpointed_step(x[3 * rank : 3 * rank + 3], reentrant, _loss_weights(6)[3 * rank : 3 * rank + 3])
+    bn = block[1]
+    save_rank(out_dir, rank, {"y": y.detach(), "dx": dx, "rm": bn.running_mean, "nbt": bn.num_batches_tracked})
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_across_ranks(tmp_path, reentrant):
+    spawn(2, _rank_checkpoint, str(tmp_path), reentrant)
+    r0, r1 = load_ranks(str(tmp_path), 2)
+    torch.manual_seed(2)
+    x = torch.randn(6, 3, 9)
+    plain, y_plain, dx_plain = _checkpointed_step(x, None, _loss_weights(6))  # one process, global batch
+    assert r0["nbt"].item() == r1["nbt"].item() == 1
+    assert torch.equal(r0["rm"], r1["rm"])
+    torch.testing.assert_close(r0["rm"], plain[1].running_mean, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.cat([r0["y"], r1["y"]]), y_plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([r0["dx"], r1["dx"]]), dx_plain, atol=1e-4, rtol=1e-5)
+
+
+# --- scale ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def big_tiles(monkeypatch):
+    monkeypatch.setattr(_layout, "_CPU_TILE", 1 << 17)
+    _layout._plan.cache_clear()
+    yield
+    _layout._plan.cache_clear()
+
+
+def test_counts_past_2_pow_24_are_exact(backend_name, big_tiles):
+    n = (1 << 24) + 3
+    assert float(torch.tensor(float(n), dtype=torch.float32)) != n, "fp32 cannot hold this count"
+    x = torch.tensor([[[1.5]], [[-0.5]]]).expand(2, 1, n // 2 + 1)  # stride-0: no memory, N*S = n + 1
+    x = x[:, :, : n // 2 + 1]
+    ops = backend.ops_for(x)
+    stats = ops.batch_norm_stats(x)
+    count = x.shape[0] * x.shape[2]
+    assert stats[2, 0].item() == count
+    assert stats[0, 0].item() == pytest.approx((count // 2) * 1.5 - (count // 2) * 0.5, rel=1e-12)
+    assert stats[0, 0].item() / stats[2, 0].item() == pytest.approx(0.5, rel=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(3, 4099), (2, 4101, 3)])  # many channels, not a power of two
+def test_many_channels(backend_name, shape):
+    torch.manual_seed(3)
+    x = (torch.randn(shape) * 2 + 1).requires_grad_()
+    bn = tritonbn.SyncBatchNorm(shape[1])
+    y = bn(x)
+    dy = torch.randn(shape)
+    y.backward(dy)
+    oracle = Oracle(shape[1], weight=bn.weight, bias=bn.bias)
+    y_ref, dx_ref, _, _ = oracle.step(x, dy)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), dx_ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(bn.running_var.double(), oracle.running_var, atol=1e-5, rtol=1e-5)
+
+
+def test_int64_indexing_is_chosen_past_2_pow_31():
+    small = torch.empty(2, 3, 4, 5, device="meta")
+    assert not plan(small.shape, small).use_int64
+    big = torch.empty(3, 3, 1 << 14, 1 << 14, device="meta")  # 2.4e9 elements, offsets past 2^31
+    assert plan(big.shape, big).use_int64
+    cl = big.to(memory_format=torch.channels_last)
+    assert plan(cl.shape, cl).use_int64
+
+
+def test_int64_kernel_path(monkeypatch):
+    """The int64 code path of every kernel, forced on a small input, matches the oracle."""
+    monkeypatch.setenv("TRITONBN_BACKEND", "triton")
+    monkeypatch.setattr(_layout, "_INT32_MAX", 10)
+    _layout._plan.cache_clear()
+    try:
+        torch.manual_seed(4)
+        x = torch.randn(3, 4, 5, 6).to(memory_format=torch.channels_last).requires_grad_()
+        assert plan(x.shape, x).use_int64
+        bn = tritonbn.SyncBatchNorm(4)
+        y = bn(x)
+        dy = torch.randn_like(x)
+        y.backward(dy)
+        y_ref, dx_ref, _, _ = Oracle(4, weight=bn.weight, bias=bn.bias).step(x, dy)
+        torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad.double(), dx_ref, atol=1e-5, rtol=1e-5)
+    finally:
+        _layout._plan.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a tensor past 2^31 elements)")
+def test_past_2_pow_31_elements_on_gpu():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter would copy 2^31 elements to the host; run with TRITON_INTERPRET=0")
+    n = (1 << 31) + 64 * 1024
+    x = torch.empty(n // 4096, 4, 1024, device="cuda", dtype=torch.bfloat16)
+    x.normal_().add_(3)
+    bn = tritonbn.SyncBatchNorm(4).cuda()
+    y = bn(x)
+    for c in range(4):  # per-channel check against torch's own float reductions
+        xc = x[:, c].float()
+        mean, var = xc.mean(), xc.var(unbiased=False)
+        assert abs(bn.running_mean[c].item() - 0.1 * mean.item()) < 1e-3
+        torch.testing.assert_close(y[-1, c].float(), ((xc[-1] - mean) / (var + 1e-5).sqrt()), atol=3e-2, rtol=3e-2)
