@@ -239,6 +239,8 @@ def sync_running_stats(model: nn.Module, process_group=None) -> int:
         nbt = m.num_batches_tracked.double().reshape(1) if m.num_batches_tracked is not None else mean.new_zeros(1)
         parts += [mean.to(device), (var + mean * mean).to(device), nbt.to(device)]
     packed = torch.cat(parts)
+    if debug_enabled():
+        check_signature(group, "sync_running_stats", {"BatchNorm layers": len(layers), "elements": packed.numel()})
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     packed /= world
     offset = 0
