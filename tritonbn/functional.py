@@ -109,56 +109,151 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def group_name(group) -> str:
+    """The name a custom op takes for ``group`` (a resolved group or ``None``): ``""`` means no communication."""
+    return "" if group is None else group.group_name
+
+
+def _resolve_name(name: str):
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op(
+    "tritonbn::batch_norm_forward", mutates_args=("running_mean", "running_var", "num_batches_tracked")
+)
+def batch_norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    training: bool,
+    momentum: float | None,
+    eps: float,
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward pass as one op: ``(y, mean, invstd, stats)``.
+
+    Training: local stats, the one all-reduce over the group named ``group_name`` ("" for none),
+    then the normalization and the in-place running-stat update. ``stats`` is the ``(3, C)`` global
+    ``[sum x | sum x^2 | count]``; in eval it is left uninitialized. A forward that runs inside a
+    backward pass (an activation-checkpointing recompute) leaves the running statistics alone.
+    """
+    ops = ops_for(x)
+    if training:
+        if in_backward():
+            running_mean = running_var = num_batches_tracked = None
+        stats = ops.batch_norm_stats(x)
+        all_reduce_sum(stats, _resolve_name(group_name))
+        y, mean, invstd = ops.batch_norm_elemt(
+            x,
+            weight,
+            bias,
+            stats=stats,
+            running_mean=running_mean,
+            running_var=running_var,
+            num_batches_tracked=num_batches_tracked,
+            momentum=momentum,
+            eps=eps,
+        )
+    else:
+        stats = torch.empty((3, x.shape[1]), dtype=torch.float64, device=x.device)
+        y, mean, invstd = ops.batch_norm_elemt(
+            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps
+        )
+    return y, mean, invstd, stats
+
+
+@batch_norm_forward.register_fake
+def _(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group_name):
+    C = x.shape[1]
+    return (
+        torch.empty_like(x),
+        x.new_empty(C, dtype=torch.float64),
+        x.new_empty(C, dtype=torch.float32),
+        x.new_empty((3, C), dtype=torch.float64),
+    )
+
+
+@torch.library.custom_op("tritonbn::batch_norm_backward", mutates_args=())
+def batch_norm_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    stats: torch.Tensor,
+    training: bool,
+    input_grad: bool,
+    weight_grad: bool,
+    bias_grad: bool,
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward pass as one op: ``(dx, dweight, dbias)``; a gradient not asked for is empty.
+
+    Training: local reductions, the one all-reduce of ``[sum dy | sum dy*xhat]`` (only when the
+    input needs a gradient), then dx. Eval: dx = dy * invstd * weight.
+    """
+    group = _resolve_name(group_name)
+    if training and group is not None and debug_enabled():
+        check_signature(group, "backward", _signature(2, x, True, input_grad))
+    ops = ops_for(x)
+    dx, dw, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)  # distinct: op outputs may not alias
+    if weight_grad or bias_grad or (input_grad and training):
+        sums, gw, gb = ops.batch_norm_backward_reduce(
+            grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad
+        )
+        dw = gw if gw is not None else dw
+        db = gb if gb is not None else db
+    if input_grad:
+        if training:
+            all_reduce_sum(sums, group)
+            dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight, sums, stats[2])
+        else:
+            dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight)
+    return dx, dw, db
+
+
+@batch_norm_backward.register_fake
+def _(grad_out, x, weight, mean, invstd, stats, training, input_grad, weight_grad, bias_grad, group_name):
+    C = x.shape[1]
+    gdtype = weight.dtype if weight is not None else torch.float32
+    return (
+        torch.empty_like(x) if input_grad else x.new_empty(0),
+        x.new_empty(C, dtype=gdtype) if weight_grad else x.new_empty(0),
+        x.new_empty(C, dtype=gdtype) if bias_grad else x.new_empty(0),
+    )
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Batch norm over the global batch of ``group`` (``None``: this rank's batch alone)."""
+    """Autograd for the two ops (torch.library cannot register autograd on an op that mutates its inputs).
+
+    ``torch.compile`` traces this Function and keeps both ops whole, with the collectives inside.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group):
-        ops = ops_for(x)
-        count = None
-        if training:
-            stats = ops.batch_norm_stats(x)
-            all_reduce_sum(stats, group)
-            y, mean, invstd = ops.batch_norm_elemt(
-                x,
-                weight,
-                bias,
-                stats=stats,
-                running_mean=running_mean,
-                running_var=running_var,
-                num_batches_tracked=num_batches_tracked,
-                momentum=momentum,
-                eps=eps,
-            )
-            count = stats[2]
-        else:
-            y, mean, invstd = ops.batch_norm_elemt(
-                x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps
-            )
-        ctx.save_for_backward(x, weight, mean, invstd, count)
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, name):
+        y, mean, invstd, stats = torch.ops.tritonbn.batch_norm_forward(
+            x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, name
+        )
+        ctx.save_for_backward(x, weight, mean, invstd, stats)
         ctx.training = training
-        ctx.group = group
+        ctx.group_name = name
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, mean, invstd, count = ctx.saved_tensors
+        x, weight, mean, invstd, stats = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.training and ctx.group is not None and debug_enabled():
-            check_signature(ctx.group, "backward", _signature(2, x, True, need_x))
-        ops = ops_for(x)
-        dx = dw = db = None
-        if need_w or need_b or (need_x and ctx.training):
-            sums, dw, db = ops.batch_norm_backward_reduce(
-                grad_out, x, mean, invstd, weight, weight_grad=need_w, bias_grad=need_b
-            )
-        if need_x:
-            if ctx.training:
-                all_reduce_sum(sums, ctx.group)
-                dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight, sums, count)
-            else:
-                dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight)
-        return dx, dw, db, None, None, None, None, None, None, None
+        dx, dw, db = torch.ops.tritonbn.batch_norm_backward(
+            grad_out, x, weight, mean, invstd, stats, ctx.training, need_x, need_w, need_b, ctx.group_name
+        )
+        return (dx if need_x else None, dw if need_w else None, db if need_b else None) + (None,) * 7
 
 
 def batch_norm(
@@ -185,7 +280,7 @@ def batch_norm(
     updated by the original forward.
     """
     debug_group = group if debug_group is None else debug_group
-    checking = debug_group is not None and debug_enabled()
+    checking = debug_group is not None and not torch.compiler.is_compiling() and debug_enabled()
     input_grad = isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled()
     try:
         check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features)
@@ -203,10 +298,8 @@ def batch_norm(
         raise
     if checking:
         check_signature(debug_group, "forward", _signature(1, input, training, input_grad))
-    if training and in_backward():
-        running_mean = running_var = num_batches_tracked = None
     return SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group
+        input, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group_name(group)
     )
 
 
