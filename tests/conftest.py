@@ -1,12 +1,17 @@
-"""Test set-up: the Triton kernels run on CPU under the Triton interpreter.
+"""Test set-up.
 
-TRITON_INTERPRET must be set before triton is imported; conftest is imported first, and spawned
-ranks inherit the environment.
+By default the Triton kernels run on CPU under the Triton interpreter: TRITON_INTERPRET must be set
+before triton is imported, conftest is imported first, and spawned ranks inherit the environment.
+
+``TRITONBN_TEST_DEVICE=cuda`` (the GPU check script) instead makes CUDA the default device, runs the
+compiled kernels, and skips the multi-rank gloo tests, which are CPU-only.
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = os.environ.get("TRITONBN_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,11 +21,22 @@ from tritonbn import backend  # noqa: E402
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    if DEVICE != "cpu":
+        torch.set_default_device(DEVICE)
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"gloo multi-rank tests run on CPU only (TRITONBN_TEST_DEVICE={DEVICE})")
+    for item in items:
+        if "distributed" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=["triton", "torch"])
 def backend_name(request, monkeypatch):
-    """Run the test once with the Triton kernels (interpreted) and once with the torch backend."""
+    """Run the test once with the Triton kernels and once with the torch backend."""
     monkeypatch.setenv("TRITONBN_BACKEND", request.param)
     probe = torch.empty(0)
     assert backend.name_for(probe) == request.param, "the requested backend is not the one that runs"

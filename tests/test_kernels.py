@@ -85,13 +85,14 @@ def test_empty_batch_leaves_running_stats(backend_name):
 
 
 def test_backend_switch(monkeypatch):
+    cpu = torch.empty(0, device="cpu")
     monkeypatch.setenv("TRITONBN_BACKEND", "bogus")
     with pytest.raises(ValueError, match="TRITONBN_BACKEND must be one of auto, triton, torch, got 'bogus'"):
-        tritonbn.sync_batch_norm(torch.randn(4, 3), None, None, training=True)
+        tritonbn.sync_batch_norm(torch.randn(4, 3, device="cpu"), None, None, training=True)
     monkeypatch.setenv("TRITONBN_BACKEND", "auto")
-    assert backend.name_for(torch.empty(0)) == "triton"  # CPU under the interpreter
+    assert backend.name_for(cpu) == ("triton" if backend.interpreted() else "torch")
     monkeypatch.setattr(backend, "interpreted", lambda: False)
-    assert backend.name_for(torch.empty(0)) == "torch"  # CPU without the interpreter falls back
+    assert backend.name_for(cpu) == "torch"  # CPU without the interpreter falls back
     monkeypatch.setenv("TRITONBN_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 .* or use TRITONBN_BACKEND=torch"):
-        tritonbn.sync_batch_norm(torch.randn(4, 3), None, None, training=True)
+        tritonbn.sync_batch_norm(torch.randn(4, 3, device="cpu"), None, None, training=True)

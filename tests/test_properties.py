@@ -67,9 +67,11 @@ def _check(p):
     g = torch.Generator().manual_seed(p["seed"])
     C, dtype = p["tail"][0], p["dtype"]
     n = sum(p["sizes"])
-    x = (torch.randn((n, *p["tail"]), generator=g) * p["scale"] + p["offset"]).to(dtype)
-    dy = torch.randn((n, *p["tail"]), generator=g).to(dtype)
-    w, b = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
+    device = torch.empty(0).device  # the default device (CPU, or CUDA in the GPU check)
+    x = (torch.randn((n, *p["tail"]), generator=g, device="cpu") * p["scale"] + p["offset"]).to(device, dtype)
+    dy = torch.randn((n, *p["tail"]), generator=g, device="cpu").to(device, dtype)
+    w = (torch.rand(C, generator=g, device="cpu") + 0.5).to(device)
+    b = torch.randn(C, generator=g, device="cpu").to(device)
     ops = backend.ops_for(x)
     assert backend.name_for(x) == p["backend"]
 

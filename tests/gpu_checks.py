@@ -1,0 +1,132 @@
+"""Checks that need a CUDA GPU and the compiled kernels (run with TRITON_INTERPRET unset or 0).
+
+1. A full training step of a small model (forward, backward, SGD step) captured in a CUDA graph and
+   replayed matches the same steps run eagerly: parameters, running statistics, num_batches_tracked
+   (momentum=None, so the cumulative factor is read on the device at every replay).
+2. An empty batch captured in a CUDA graph: the empty-rank guard lives in the kernels.
+3. Forward and backward under torch.cuda.set_sync_debug_mode("error"): no host synchronization.
+
+Run directly (``python tests/gpu_checks.py``); tests/test_gpu.py runs it when a GPU is present.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+from torch import nn
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("gpu_checks: unset TRITON_INTERPRET: these checks need the compiled kernels")
+
+import tritonbn  # noqa: E402
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16, momentum=None),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, stride=2, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 8),
+        nn.BatchNorm1d(8),
+        nn.Linear(8, 4),
+    ).cuda()
+
+
+def batches(n):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return [(torch.randn(32, 3, 24, 24, device="cuda", generator=g) * 2 + 1).to(memory_format=torch.channels_last)
+            for _ in range(n)]  # fmt: skip
+
+
+def check_cuda_graph_training_step():
+    model = tritonbn.convert_sync_batchnorm(make_model()).to(memory_format=torch.channels_last)
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    data = batches(6)
+
+    def step(m, o, x):
+        o.zero_grad(set_to_none=False)
+        loss = m(x).square().mean()
+        loss.backward()
+        o.step()
+        return loss
+
+    # Warm up on a side stream (allocates optimizer state), as the CUDA-graph recipe requires.
+    static_x = data[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in data[:2]:
+            static_x.copy_(x)
+            step(model, opt, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    for x in data[:2]:
+        step(eager, eager_opt, x)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(model, opt, static_x)
+    for x in data[2:]:
+        static_x.copy_(x)
+        graph.replay()
+        eager_loss = step(eager, eager_opt, x)
+        torch.testing.assert_close(static_loss, eager_loss, atol=1e-4, rtol=1e-4)
+    torch.cuda.synchronize()
+    for (k, a), b in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+        else:
+            assert torch.equal(a, b), f"{k}: {a} != {b}"
+    assert model[1].num_batches_tracked.item() == len(data)
+    print("cuda graph: captured training step replays like eager, buffers included")
+
+
+def check_empty_batch_in_graph():
+    bn = tritonbn.SyncBatchNorm(8).cuda()
+    x = torch.empty(0, 8, 5, 5, device="cuda")
+    bn(x)  # warm-up compiles the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = bn(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.shape == x.shape and bn.num_batches_tracked.item() == 0
+    assert torch.equal(bn.running_mean, torch.zeros(8, device="cuda"))
+    print("cuda graph: an empty batch is handled in the kernels")
+
+
+def check_no_host_sync():
+    bn = tritonbn.SyncBatchNorm(16, momentum=None).cuda()
+    x = torch.randn(8, 16, 9, 9, device="cuda", requires_grad=True).to(memory_format=torch.channels_last)
+    bn(x).sum().backward()  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            xi = x.detach().to(dtype).requires_grad_()
+            y = bn(xi)
+            y.backward(torch.ones_like(y))
+        bn.eval()
+        bn(x.detach())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print("sync debug mode: training forward, backward and eval ran without a host synchronization")
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("gpu_checks: no CUDA device")
+    check_cuda_graph_training_step()
+    check_empty_batch_in_graph()
+    check_no_host_sync()
+    print("gpu checks passed")
