@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tritonbn.activations import check_output_gives_grad
+
 
 def _dims(x: torch.Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
@@ -16,6 +18,35 @@ def _dims(x: torch.Tensor) -> list[int]:
 
 def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return v.reshape(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _activate(z: torch.Tensor, activation: str | None, slope: float) -> torch.Tensor:
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "leaky_relu":
+        return torch.where(z > 0, z, z * slope)
+    if activation == "silu":
+        return z * torch.sigmoid(z)
+    return z
+
+
+def _grad_z(dy, xc, scale, bias, x, activation, slope, residual, output):
+    """dz = dy * act'(z), z read from ``output`` (its sign) or recomputed; as the kernels do."""
+    if activation is None:
+        return dy
+    if output is not None:
+        check_output_gives_grad(activation, slope)
+        z = output.float()
+    else:
+        z = xc * _per_channel(scale, x) + (_per_channel(bias.float(), x) if bias is not None else 0.0)
+        if residual is not None:
+            z = z + residual.float()
+    if activation == "relu":
+        return torch.where(z > 0, dy, torch.zeros_like(dy))
+    if activation == "leaky_relu":
+        return torch.where(z > 0, dy, dy * slope)
+    s = torch.sigmoid(z)
+    return dy * s * (1.0 + z * (1.0 - s))
 
 
 def _split_mean(mean64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +90,9 @@ def batch_norm_elemt(
     num_batches_tracked: torch.Tensor | None = None,
     momentum: float | None = 0.1,
     eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    negative_slope: float = 0.01,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`tritonbn.kernels.batch_norm_elemt`."""
     training = stats is not None
@@ -87,8 +121,10 @@ def batch_norm_elemt(
     y = xc * _per_channel(scale, x)
     if bias is not None:
         y = y + _per_channel(bias.float(), x)
+    if residual is not None:
+        y = y + residual.float()
     out = torch.empty_like(x)
-    out.copy_(y)
+    out.copy_(_activate(y, activation, negative_slope))
     return out, mean64, invstd
 
 
@@ -101,11 +137,17 @@ def batch_norm_backward_reduce(
     *,
     weight_grad: bool = True,
     bias_grad: bool = True,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    negative_slope: float = 0.01,
+    residual: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`tritonbn.kernels.batch_norm_backward_reduce`."""
     hi, lo = _split_mean(mean)
-    dy = grad_out.float()
     xc = (x.float() - _per_channel(hi, x)) - _per_channel(lo, x)
+    scale = invstd * weight.float() if weight is not None else invstd
+    dy = _grad_z(grad_out.float(), xc, scale, bias, x, activation, negative_slope, residual, output)
     dims = _dims(x)
     sums = torch.stack([dy.sum(dims), (dy * xc).sum(dims) * invstd])
     gdtype = weight.dtype if weight is not None else torch.float32
@@ -122,17 +164,29 @@ def batch_norm_backward_elemt(
     weight: torch.Tensor | None = None,
     sums: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
-) -> torch.Tensor:
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    negative_slope: float = 0.01,
+    residual: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    input_grad: bool = True,
+    out_grad_residual: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """See :func:`tritonbn.kernels.batch_norm_backward_elemt`."""
     if sums is not None and count is None:
         raise ValueError("batch_norm_backward_elemt: sums needs count")
     scale = invstd * weight.float() if weight is not None else invstd
-    dy = grad_out.float()
+    hi, lo = _split_mean(mean)
+    xc = (x.float() - _per_channel(hi, x)) - _per_channel(lo, x)
+    dz = _grad_z(grad_out.float(), xc, scale, bias, x, activation, negative_slope, residual, output)
+    if out_grad_residual is not None:
+        out_grad_residual.copy_(dz)
+    if not input_grad:
+        return None
     if sums is not None:
         inv_n = 1.0 / count.clamp_min(1.0).float()
-        hi, lo = _split_mean(mean)
-        xc = (x.float() - _per_channel(hi, x)) - _per_channel(lo, x)
-        dy = dy - _per_channel(sums[0] * inv_n, x) - xc * _per_channel(sums[1] * inv_n * invstd, x)
+        dz = dz - _per_channel(sums[0] * inv_n, x) - xc * _per_channel(sums[1] * inv_n * invstd, x)
     out = torch.empty_like(x)
-    out.copy_(dy * _per_channel(scale, x))
+    out.copy_(dz * _per_channel(scale, x))
     return out

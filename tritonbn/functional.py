@@ -21,7 +21,17 @@ where the means run over the *global* batch: this is why backward needs the glob
 ``sum(dy)`` and ``sum(dy * xhat)``, and nothing else, from the other ranks. ``dw = sum(dy * xhat)``
 and ``db = sum(dy)`` stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them.
 
-In eval (running statistics) mean and invstd are constants: ``dx = w * invstd * dy``, and nothing
+A fused epilogue ``y = act(z)``, ``z = xhat * w + b + residual``, changes only the upstream
+gradient: every formula above takes ``dz = dy * act'(z)`` in place of ``dy``, and the residual's
+gradient is ``dz``. The backward kernels compute ``dz`` on the fly, in the passes they make anyway.
+What they need for ``act'(z)`` decides what is saved:
+
+* no residual: nothing more; ``z`` is recomputed from the saved ``x`` and the statistics;
+* a residual with relu, or leaky_relu with a slope >= 0: the output ``y`` (``z > 0`` exactly where
+  ``y > 0``), which the next layer usually holds anyway;
+* a residual with silu (or a negative slope): the residual itself, to recompute ``z``.
+
+In eval (running statistics) mean and invstd are constants: ``dx = w * invstd * dz``, and nothing
 communicates.
 """
 
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from tritonbn.activations import check_activation, output_gives_grad
 from tritonbn.backend import ops_for
 from tritonbn.distributed import all_reduce_sum, check_signature, debug_enabled, dtype_code, resolve_group
 
@@ -58,6 +69,7 @@ def check_inputs(
     eps: float,
     num_batches_tracked: torch.Tensor | None = None,
     num_features: int | None = None,
+    residual: torch.Tensor | None = None,
 ) -> None:
     """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone."""
     if not isinstance(input, torch.Tensor):
@@ -79,6 +91,15 @@ def check_inputs(
         raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a tensor shaped like input or None, got {type(residual).__name__}")
+        if residual.shape != input.shape:
+            raise ValueError(f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
+        if residual.device != input.device:
+            raise ValueError(f"residual must be on the input's device {input.device}, got {residual.device}")
+        if residual.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"residual must be a floating-point tensor, got dtype {residual.dtype}")
     if num_batches_tracked is not None:
         if num_batches_tracked.numel() != 1 or num_batches_tracked.dtype != torch.long:
             raise ValueError(
@@ -132,19 +153,24 @@ def batch_norm_forward(
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     num_batches_tracked: torch.Tensor | None,
+    residual: torch.Tensor | None,
     training: bool,
     momentum: float | None,
     eps: float,
+    activation: str | None,
+    negative_slope: float,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward pass as one op: ``(y, mean, invstd, stats)``.
 
     Training: local stats, the one all-reduce over the group named ``group_name`` ("" for none),
-    then the normalization and the in-place running-stat update. ``stats`` is the ``(3, C)`` global
-    ``[sum x | sum x^2 | count]``; in eval it is left uninitialized. A forward that runs inside a
-    backward pass (an activation-checkpointing recompute) leaves the running statistics alone.
+    then ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the
+    ``(3, C)`` global ``[sum x | sum x^2 | count]``; in eval it is left uninitialized. A forward that
+    runs inside a backward pass (an activation-checkpointing recompute) leaves the running
+    statistics alone.
     """
     ops = ops_for(x)
+    epilogue = {"residual": residual, "activation": activation, "negative_slope": negative_slope}
     if training:
         if in_backward():
             running_mean = running_var = num_batches_tracked = None
@@ -160,17 +186,18 @@ def batch_norm_forward(
             num_batches_tracked=num_batches_tracked,
             momentum=momentum,
             eps=eps,
+            **epilogue,
         )
     else:
         stats = torch.empty((3, x.shape[1]), dtype=torch.float64, device=x.device)
         y, mean, invstd = ops.batch_norm_elemt(
-            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps
+            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps, **epilogue
         )
     return y, mean, invstd, stats
 
 
 @batch_norm_forward.register_fake
-def _(x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group_name):
+def _(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps, *_):
     C = x.shape[1]
     return (
         torch.empty_like(x),
@@ -185,48 +212,78 @@ def batch_norm_backward(
     grad_out: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     mean: torch.Tensor,
     invstd: torch.Tensor,
     stats: torch.Tensor,
+    residual: torch.Tensor | None,
+    output: torch.Tensor | None,
     training: bool,
+    activation: str | None,
+    negative_slope: float,
     input_grad: bool,
     weight_grad: bool,
     bias_grad: bool,
+    residual_grad: bool,
     group_name: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward pass as one op: ``(dx, dweight, dbias)``; a gradient not asked for is empty.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward pass as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty.
 
-    Training: local reductions, the one all-reduce of ``[sum dy | sum dy*xhat]`` (only when the
-    input needs a gradient), then dx. Eval: dx = dy * invstd * weight.
+    Training: local reductions of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only
+    when the input needs a gradient), then dx and the residual's gradient in one pass. Eval:
+    dx = dz * invstd * weight. ``residual`` / ``output`` are what the fused activation's gradient
+    is read from (see the module docstring).
     """
     group = _resolve_name(group_name)
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", _signature(2, x, True, input_grad))
     ops = ops_for(x)
-    dx, dw, db = x.new_empty(0), x.new_empty(0), x.new_empty(0)  # distinct: op outputs may not alias
+    epilogue = {
+        "bias": bias,
+        "activation": activation,
+        "negative_slope": negative_slope,
+        "residual": residual,
+        "output": output,
+    }
+    dx, dw, db, dr = (x.new_empty(0) for _ in range(4))  # distinct: op outputs may not alias
+    sums = None
     if weight_grad or bias_grad or (input_grad and training):
         sums, gw, gb = ops.batch_norm_backward_reduce(
-            grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad
+            grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad, **epilogue
         )
         dw = gw if gw is not None else dw
         db = gb if gb is not None else db
-    if input_grad:
-        if training:
+    if input_grad or residual_grad:
+        if input_grad and training:
             all_reduce_sum(sums, group)
-            dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight, sums, stats[2])
-        else:
-            dx = ops.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight)
-    return dx, dw, db
+        if residual_grad:
+            dr = torch.empty_like(x)
+        dx = ops.batch_norm_backward_elemt(
+            grad_out,
+            x,
+            mean,
+            invstd,
+            weight,
+            sums if training else None,
+            stats[2] if training else None,
+            input_grad=input_grad,
+            out_grad_residual=dr if residual_grad else None,
+            **epilogue,
+        )
+        dx = dx if dx is not None else x.new_empty(0)
+    return dx, dw, db, dr
 
 
 @batch_norm_backward.register_fake
-def _(grad_out, x, weight, mean, invstd, stats, training, input_grad, weight_grad, bias_grad, group_name):
+def _(grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
+      input_grad, weight_grad, bias_grad, residual_grad, group_name):  # fmt: skip
     C = x.shape[1]
     gdtype = weight.dtype if weight is not None else torch.float32
     return (
         torch.empty_like(x) if input_grad else x.new_empty(0),
         x.new_empty(C, dtype=gdtype) if weight_grad else x.new_empty(0),
         x.new_empty(C, dtype=gdtype) if bias_grad else x.new_empty(0),
+        torch.empty_like(x) if residual_grad else x.new_empty(0),
     )
 
 
@@ -237,23 +294,37 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, name):
+    def forward(
+        ctx, x, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+        activation, negative_slope, name,
+    ):  # fmt: skip
         y, mean, invstd, stats = torch.ops.tritonbn.batch_norm_forward(
-            x, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, name
-        )
-        ctx.save_for_backward(x, weight, mean, invstd, stats)
-        ctx.training = training
-        ctx.group_name = name
+            x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
+            activation, negative_slope, name,
+        )  # fmt: skip
+        # What backward reads act'(z) from: see the module docstring.
+        keep_residual = keep_output = None
+        if activation is not None and residual is not None:
+            if output_gives_grad(activation, negative_slope):
+                keep_output = y
+            else:
+                keep_residual = residual
+        ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
+        ctx.training, ctx.activation, ctx.negative_slope, ctx.group_name = training, activation, negative_slope, name
+        ctx.has_residual = residual is not None
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, mean, invstd, stats = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dx, dw, db = torch.ops.tritonbn.batch_norm_backward(
-            grad_out, x, weight, mean, invstd, stats, ctx.training, need_x, need_w, need_b, ctx.group_name
-        )
-        return (dx if need_x else None, dw if need_w else None, db if need_b else None) + (None,) * 7
+        x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
+        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+        need_r = need_r and ctx.has_residual
+        dx, dw, db, dr = torch.ops.tritonbn.batch_norm_backward(
+            grad_out, x, weight, bias, mean, invstd, stats, residual, output, ctx.training, ctx.activation,
+            ctx.negative_slope, need_x, need_w, need_b, need_r, ctx.group_name,
+        )  # fmt: skip
+        grads = (dx if need_x else None, dw if need_w else None, db if need_b else None, dr if need_r else None)
+        return grads + (None,) * 9
 
 
 def batch_norm(
@@ -268,6 +339,9 @@ def batch_norm(
     group,
     num_batches_tracked: torch.Tensor | None = None,
     *,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    negative_slope: float = 0.01,
     num_features: int | None = None,
     debug_group=None,
 ) -> torch.Tensor:
@@ -276,14 +350,15 @@ def batch_norm(
     ``group`` (resolved) is what the statistics are synchronized over, ``None`` for this rank alone.
     ``debug_group`` (default ``group``) is what ``TRITONBN_DEBUG=1`` checks signatures over; the
     module passes its group there in eval too, so that a rank in eval while others train is caught.
-    In an activation-checkpointing recompute the running statistics are left alone: they were
-    updated by the original forward.
     """
     debug_group = group if debug_group is None else debug_group
     checking = debug_group is not None and not torch.compiler.is_compiling() and debug_enabled()
     input_grad = isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled()
     try:
-        check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features)
+        check_inputs(
+            input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features, residual
+        )
+        check_activation(activation, negative_slope)
         if not training and running_mean is None:
             raise ValueError("running_mean and running_var are required when training=False")
         if training and group is None and input.numel() // input.shape[1] == 1:
@@ -299,8 +374,9 @@ def batch_norm(
     if checking:
         check_signature(debug_group, "forward", _signature(1, input, training, input_grad))
     return SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, num_batches_tracked, training, momentum, eps, group_name(group)
-    )
+        input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+        activation, float(negative_slope), group_name(group),
+    )  # fmt: skip
 
 
 def sync_batch_norm(
@@ -315,6 +391,9 @@ def sync_batch_norm(
     process_group=None,
     *,
     num_batches_tracked: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    negative_slope: float = 0.01,
 ) -> torch.Tensor:
     """Batch norm whose training statistics cover the global batch of ``process_group``.
 
@@ -323,8 +402,13 @@ def sync_batch_norm(
     running statistics, when given, are updated in place on the device. ``momentum=None`` is a
     cumulative average and needs ``num_batches_tracked`` (``() int64``, incremented in place).
     Without an initialized process group, or at world size 1, this is plain batch norm.
+
+    The fused epilogue computes ``act(batch_norm(input) + residual)`` inside the kernels:
+    ``residual`` is a tensor shaped like ``input`` (it gets its gradient), ``activation`` one of
+    ``None``, ``"relu"``, ``"leaky_relu"`` (with ``negative_slope``) or ``"silu"``.
     """
     group = resolve_group(process_group) if training else None
     return batch_norm(
-        input, running_mean, running_var, weight, bias, training, momentum, eps, group, num_batches_tracked
-    )
+        input, running_mean, running_var, weight, bias, training, momentum, eps, group, num_batches_tracked,
+        residual=residual, activation=activation, negative_slope=negative_slope,
+    )  # fmt: skip

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from tritonbn.activations import check_activation
 from tritonbn.distributed import resolve_group
 from tritonbn.functional import batch_norm
 
@@ -19,6 +20,9 @@ class SyncBatchNorm(_BatchNorm):
     Same constructor, parameters, buffers and ``state_dict`` keys as ``torch.nn.SyncBatchNorm``.
     Training synchronizes the statistics with one all-reduce per pass; eval uses the running
     statistics (or, with ``track_running_stats=False``, this rank's batch) and communicates nothing.
+
+    ``activation`` (``None``, ``"relu"``, ``"leaky_relu"`` with ``negative_slope``, ``"silu"``) and
+    ``forward(input, residual)`` fuse ``act(bn(input) + residual)`` into the kernels.
     """
 
     def __init__(
@@ -31,13 +35,18 @@ class SyncBatchNorm(_BatchNorm):
         process_group=None,
         device=None,
         dtype=None,
+        activation: str | None = None,
+        negative_slope: float = 0.01,
     ) -> None:
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
         if momentum is not None and not (0.0 <= float(momentum) <= 1.0):
             raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
+        check_activation(activation, negative_slope)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
+        self.activation = activation
+        self.negative_slope = negative_slope
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2 or input.dim() > 5:
@@ -45,7 +54,15 @@ class SyncBatchNorm(_BatchNorm):
         if input.shape[1] != self.num_features:
             raise ValueError(f"input has {input.shape[1]} channels (dim 1), but num_features={self.num_features}")
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self.activation is not None:
+            text += f", activation={self.activation!r}"
+            if self.activation == "leaky_relu":
+                text += f", negative_slope={self.negative_slope}"
+        return text
+
+    def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         tracking = not self.training or self.track_running_stats
         # Eval communicates nothing (with track_running_stats=False it uses this rank's own batch).
@@ -61,6 +78,9 @@ class SyncBatchNorm(_BatchNorm):
             self.eps,
             group if self.training else None,
             self.num_batches_tracked if (self.training and self.track_running_stats) else None,
+            residual=residual,
+            activation=self.activation,
+            negative_slope=self.negative_slope,
             num_features=self.num_features,
             debug_group=group,
         )
@@ -116,10 +136,16 @@ def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] = nn.Batc
     """Replace every :class:`SyncBatchNorm` in ``module`` by the class it was converted from.
 
     A module built directly as ``tritonbn.SyncBatchNorm`` (no original class recorded) becomes
-    ``default``. Parameters, buffers and training mode are shared, as in the conversion.
+    ``default``. Parameters, buffers and training mode are shared, as in the conversion. A module
+    with a fused activation has no plain equivalent: reverting it raises a ``ValueError``.
     """
     out = module
     if isinstance(module, SyncBatchNorm):
+        if module.activation is not None:
+            raise ValueError(
+                f"cannot revert a SyncBatchNorm with a fused activation ({module.activation!r}) to a plain BatchNorm; "
+                "rebuild the model without fusion first"
+            )
         cls = getattr(module, _ORIGINAL, default)
         kwargs = {"process_group": module.process_group} if issubclass(cls, nn.SyncBatchNorm) else {}
         out = cls(

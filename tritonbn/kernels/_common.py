@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from tritonbn.activations import ACTIVATIONS
+
 
 @triton.jit
 def tile_index(t, inner_tiles, O1, O2, BLOCK_I: tl.constexpr, USE_INT64: tl.constexpr):
@@ -50,3 +52,51 @@ def split_mean(mean64):
     hi = mean64.to(tl.float32)
     lo = (mean64 - hi.to(tl.float64)).to(tl.float32)
     return hi, lo
+
+
+# Fused activations: the codes the kernels take as ACTIVATION (0: none, 1: relu, 2: leaky_relu, 3: silu).
+ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
+
+
+@triton.jit
+def activate(z, slope, ACTIVATION: tl.constexpr):
+    """act(z) for ACTIVATION 0 (none), 1 (relu), 2 (leaky_relu with ``slope``), 3 (silu)."""
+    if ACTIVATION == 1:
+        z = tl.maximum(z, 0.0)
+    elif ACTIVATION == 2:
+        z = tl.where(z > 0, z, z * slope)
+    elif ACTIVATION == 3:
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
+def activation_grad(dy, z, slope, ACTIVATION: tl.constexpr):
+    """dy * act'(z). For relu and leaky_relu with slope >= 0, ``z`` may be the output y (same sign)."""
+    if ACTIVATION == 1:
+        dy = tl.where(z > 0, dy, 0.0)
+    elif ACTIVATION == 2:
+        dy = tl.where(z > 0, dy, dy * slope)
+    elif ACTIVATION == 3:
+        s = tl.sigmoid(z)
+        dy = dy * s * (1.0 + z * (1.0 - s))
+    return dy
+
+
+# What the backward kernels read to find act'(z): AUX_NONE recomputes z from x alone, AUX_RESIDUAL
+# from x and the residual, AUX_OUTPUT reads the sign of the saved output y (relu, leaky_relu).
+AUX_NONE, AUX_RESIDUAL, AUX_OUTPUT = 0, 1, 2
+
+
+@triton.jit
+def grad_z(dy, xc, scale, bias, aux, slope, ACTIVATION: tl.constexpr, AUX: tl.constexpr):
+    """The gradient at z = xhat * w + b (+ residual), from dy at y = act(z); ``xc = x - mean``."""
+    if ACTIVATION != 0:
+        if AUX == 2:
+            z = aux
+        else:
+            z = xc * scale[:, None] + bias[:, None]
+            if AUX == 1:
+                z += aux
+        dy = activation_grad(dy, z, slope, ACTIVATION)
+    return dy

@@ -5,8 +5,10 @@ global sums (see :mod:`tritonbn.kernels.stats`); in eval it reads the running st
 
     scale = weight * invstd,   invstd = 1 / sqrt(var + eps)
 
-it writes ``y = ((x - mean_hi) - mean_lo) * scale + bias``, where ``mean_hi + mean_lo`` is the fp64
-mean split into two fp32 numbers, so that ``y`` keeps fp32 precision when ``|mean| >> std``.
+it writes ``y = act(((x - mean_hi) - mean_lo) * scale + bias + residual)``, where
+``mean_hi + mean_lo`` is the fp64 mean split into two fp32 numbers, so that ``y`` keeps fp32
+precision when ``|mean| >> std``. The residual add and the activation (none, relu, leaky_relu,
+silu) are optional and fused: no extra pass over the tensor.
 
 The programs of the first reduction chunk also write the saved ``mean`` (fp64) and ``invstd``
 (fp32) for backward. In training with running statistics, program ``(0, 0)`` updates
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonbn.kernels._common import channel_stats, split_mean, tile_index, tile_offsets
+from tritonbn.kernels._common import ACTIVATION_CODES, activate, channel_stats, split_mean, tile_index, tile_offsets
 from tritonbn.kernels._layout import plan
 
 
@@ -29,6 +31,7 @@ def _batch_norm_elemt_kernel(
     # pointers
     x_ptr,  # (N, C, *S)
     y_ptr,  # (N, C, *S) out, dtype of x
+    r_ptr,  # (N, C, *S) residual, or unused
     w_ptr,  # (C,) or unused
     b_ptr,  # (C,) or unused
     stats_ptr,  # (3, C) fp64 [sum_x | sum_x2 | count] (training)
@@ -56,9 +59,15 @@ def _batch_norm_elemt_kernel(
     sy_o1,
     sy_o2,
     sy_i,
+    sr_c,
+    sr_o0,
+    sr_o1,
+    sr_o2,
+    sr_i,
     # scalars
     momentum,
     eps,
+    slope,
     # meta-parameters
     TRAINING: tl.constexpr,
     UPDATE_RUNNING: tl.constexpr,
@@ -66,11 +75,13 @@ def _batch_norm_elemt_kernel(
     HAS_NBT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
-    """y = (x - mean) * invstd * weight + bias, plus saved stats and the running-stat update."""
+    """y = act((x - mean) * invstd * weight + bias + residual), plus saved stats and the running-stat update."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -129,6 +140,10 @@ def _batch_norm_elemt_kernel(
         x = tl.load(x_ptr + tile_offsets(o0, o1, o2, cols, inner, sx_c, sx_o0, sx_o1, sx_o2, sx_i), mask=mask)
         x = x.to(tl.float32)
         y = ((x - hi[:, None]) - lo[:, None]) * scale[:, None] + bias[:, None]
+        if HAS_RESIDUAL:
+            r_offs = tile_offsets(o0, o1, o2, cols, inner, sr_c, sr_o0, sr_o1, sr_o2, sr_i)
+            y += tl.load(r_ptr + r_offs, mask=mask).to(tl.float32)
+        y = activate(y, slope, ACTIVATION)
         y_offs = tile_offsets(o0, o1, o2, cols, inner, sy_c, sy_o0, sy_o1, sy_o2, sy_i)
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -149,8 +164,11 @@ def batch_norm_elemt(
     num_batches_tracked: torch.Tensor | None = None,
     momentum: float | None = 0.1,
     eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    negative_slope: float = 0.01,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalize ``x``; in training, also update the running statistics in place.
+    """Normalize ``x``, then add ``residual`` and apply ``activation``; in training, also update the running stats.
 
     Args:
         x: ``(N, C, *S)`` input, fp32/fp16/bf16, any strides.
@@ -164,6 +182,9 @@ def batch_norm_elemt(
             Required when ``momentum`` is ``None`` (cumulative moving average).
         momentum: the running-stat update factor, or ``None`` for a cumulative average.
         eps: added to the variance.
+        residual: a tensor shaped like ``x`` (any strides) added after the affine transform, or ``None``.
+        activation: ``None``, ``"relu"``, ``"leaky_relu"`` (with ``negative_slope``) or ``"silu"``,
+            applied last.
 
     Returns:
         ``(y, mean, invstd)``: ``y`` like ``x`` (same dtype and memory format), ``mean`` ``(C,)``
@@ -175,7 +196,7 @@ def batch_norm_elemt(
     if momentum is None and training and running_mean is not None and num_batches_tracked is None:
         raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
     y = empty_like_layout(x)
-    layout = plan(x.shape, x, y)
+    layout = plan(x.shape, x, y, residual if residual is not None else x)
     C = layout.C
     mean = torch.empty(C, dtype=torch.float64, device=x.device)
     invstd = torch.empty(C, dtype=torch.float32, device=x.device)
@@ -184,6 +205,7 @@ def batch_norm_elemt(
     _batch_norm_elemt_kernel[layout.grid](
         x,
         y,
+        residual if residual is not None else x,
         weight if weight is not None else dummy,
         bias if bias is not None else dummy,
         stats if training else dummy,
@@ -201,14 +223,18 @@ def batch_norm_elemt(
         layout.tiles_per_prog,
         *layout.strides[0],
         *layout.strides[1],
+        *layout.strides[2],
         0.0 if momentum is None else float(momentum),
         float(eps),
+        float(negative_slope),
         TRAINING=training,
         UPDATE_RUNNING=update,
         CUMULATIVE=update and momentum is None,
         HAS_NBT=update and num_batches_tracked is not None,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        ACTIVATION=ACTIVATION_CODES[activation],
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
         USE_INT64=layout.use_int64,

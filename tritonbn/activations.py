@@ -1,0 +1,26 @@
+"""The activations tritonbn fuses after batch norm (and the optional residual add)."""
+
+from __future__ import annotations
+
+ACTIVATIONS = (None, "relu", "leaky_relu", "silu")
+
+
+def check_activation(activation, negative_slope) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of None, 'relu', 'leaky_relu', 'silu', got {activation!r}")
+    if isinstance(negative_slope, bool) or not isinstance(negative_slope, int | float):
+        raise TypeError(f"negative_slope must be a float, got {type(negative_slope).__name__}")
+
+
+def output_gives_grad(activation: str | None, negative_slope: float) -> bool:
+    """Whether act'(z) can be read from the sign of y = act(z): relu, or leaky_relu with a slope >= 0."""
+    return activation == "relu" or (activation == "leaky_relu" and negative_slope >= 0)
+
+
+def check_output_gives_grad(activation: str | None, negative_slope: float) -> None:
+    """Raise unless act'(z) can be read from the saved output y (the ``output=`` launcher argument)."""
+    if not output_gives_grad(activation, negative_slope):
+        raise ValueError(
+            f"output: the sign of y gives act'(z) for relu or leaky_relu with a slope >= 0, not for {activation} "
+            f"(slope {negative_slope}); pass residual instead"
+        )
