@@ -3,6 +3,7 @@
 * :class:`SyncBatchNorm`: a drop-in for ``torch.nn.SyncBatchNorm`` and ``nn.BatchNorm*d``.
 * :func:`convert_sync_batchnorm` / :func:`revert_sync_batchnorm`: swap a model's batch norms.
 * :func:`sync_batch_norm`: the functional form.
+* :func:`fuse_batchnorm_activations`: fuse BatchNorm -> (add ->) activation into tritonbn modules.
 * :mod:`tritonbn.diagnose`, :func:`sync_running_stats`, :func:`recalibrate_batchnorm`: find and
   repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
@@ -13,6 +14,7 @@ Set ``TRITONBN_BACKEND=auto|triton|torch`` to choose the implementation (see :mo
 from tritonbn import diagnose
 from tritonbn.diagnose import recalibrate_batchnorm, sync_running_stats
 from tritonbn.functional import sync_batch_norm
+from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.modules import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 
 __version__ = "0.1.0"
@@ -22,6 +24,7 @@ __all__ = [
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
     "sync_batch_norm",
+    "fuse_batchnorm_activations",
     "sync_running_stats",
     "recalibrate_batchnorm",
     "diagnose",
