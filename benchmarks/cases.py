@@ -30,26 +30,34 @@ RESNET50 = [
 ]
 # Small to large activations at a fixed channel count.
 SWEEP = [(32, 64, s, s) for s in (8, 16, 32, 64, 128, 256)]
+# Fused epilogue act(bn(x) + residual): ResNet-50 shapes where a residual add and ReLU follow BN.
+EPILOGUE = [(32, 256, 56, 56), (32, 512, 28, 28), (32, 1024, 14, 14), (32, 2048, 7, 7)]
 # CPU smoke sizes: the same kinds of shape, small enough for the interpreter.
 SMOKE_RESNET = [(2, 16, 14, 14), (2, 64, 7, 7), (2, 256, 2, 2)]
 SMOKE_SWEEP = [(2, 8, s, s) for s in (4, 8, 16)]
+SMOKE_EPILOGUE = [(2, 16, 7, 7)]
 
 MODES = ("forward", "forward_backward", "eval")
 LAYOUTS = ("contiguous", "channels_last")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def bytes_per_pass(shape, dtype: torch.dtype, mode: str) -> int:
+def bytes_per_pass(shape, dtype: torch.dtype, mode: str, epilogue: bool = False) -> int:
     """The activation traffic a pass cannot avoid, the same for every provider.
 
     forward (training): read x for the statistics, read x and write y to normalize: 3 tensors.
     backward: read dy and x to reduce, read dy and x and write dx: 5 more.
     eval: read x, write y: 2.
+    With the epilogue relu(bn(x) + r): the forward also reads r (4); the backward reads y for the
+    ReLU mask in both passes and writes dr (4 more than plain: 12 for forward+backward; eval 3).
     """
     numel = 1
     for d in shape:
         numel *= d
-    tensors = {"forward": 3, "forward_backward": 8, "eval": 2}[mode]
+    if epilogue:
+        tensors = {"forward": 4, "forward_backward": 12, "eval": 3}[mode]
+    else:
+        tensors = {"forward": 3, "forward_backward": 8, "eval": 2}[mode]
     return tensors * numel * dtype.itemsize
 
 
@@ -69,8 +77,11 @@ class Setup:
     reset: callable  # between passes (clears grads)
 
 
-def make(provider: str, shape, layout: str, dtype: torch.dtype, mode: str, device, group) -> Setup:
+def make(provider: str, shape, layout: str, dtype: torch.dtype, mode: str, device, group, epilogue=False) -> Setup:
     """The one setup factory: inputs for ``shape`` and a callable running ``mode`` with ``provider``.
+
+    With ``epilogue`` every provider computes ``relu(bn(x) + r)``: tritonbn fused in its kernels,
+    the others as batch norm followed by a separate add and ReLU.
 
     Providers: ``tritonbn`` (the kernels, synchronizing over a real one-rank group), ``tritonbn_torch``
     (tritonbn's PyTorch backend), ``torch_sync`` (``torch.nn.SyncBatchNorm``'s synchronized autograd
@@ -90,11 +101,13 @@ def make(provider: str, shape, layout: str, dtype: torch.dtype, mode: str, devic
     rm, rv = torch.zeros(C, device=device), torch.ones(C, device=device)
     nbt = torch.zeros((), dtype=torch.long, device=device)
     dy = torch.randn_like(x) if backward else None
+    r = torch.randn_like(x).requires_grad_(backward) if epilogue else None
 
     if provider in ("tritonbn", "tritonbn_torch"):
+        fused = {"residual": r, "activation": "relu"} if epilogue else {}
 
-        def forward():  # noqa: E306
-            return batch_norm(x, rm, rv, weight, bias, training, 0.1, 1e-5, group if training else None, nbt)
+        def forward():
+            return batch_norm(x, rm, rv, weight, bias, training, 0.1, 1e-5, group if training else None, nbt, **fused)
     elif provider == "torch_sync":
         from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNorm
 
@@ -111,13 +124,16 @@ def make(provider: str, shape, layout: str, dtype: torch.dtype, mode: str, devic
 
     def run():
         y = forward()
+        if epilogue and provider not in ("tritonbn", "tritonbn_torch"):
+            y = torch.relu(y + r)
         if backward:
             y.backward(dy)
         return y
 
     def reset():
-        for t in (x, weight, bias):
-            t.grad = None
+        for t in (x, weight, bias, r):
+            if t is not None:
+                t.grad = None
 
     return Setup(run, reset)
 

@@ -221,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     title = "## ResNet-50 BatchNorm shapes" + (" (scaled down for the CPU smoke run)" if interpreted else ", batch 32")
     lines += [title, "", *case_table(rows, "resnet50"), "", "## Size sweep", "", *case_table(rows, "sweep"), ""]
     lines += [
+        "## Fused epilogue: relu(bn(x) + residual)",
+        "",
+        "tritonbn fuses the add and the ReLU into its kernels; the other providers run batch norm, then a separate "
+        "add and ReLU.",
+        "",
+        *case_table(rows, "epilogue"),
+        "",
+    ]
+    lines += [
         "## Collective bytes per rank and training step",
         "",
         "tritonbn all-reduces 3C fp64 forward and 2C fp32 backward at any world size W; "

@@ -19,9 +19,11 @@ import pytest
 import torch
 from cases import (
     DTYPES,
+    EPILOGUE,
     LAYOUTS,
     MODES,
     RESNET50,
+    SMOKE_EPILOGUE,
     SMOKE_RESNET,
     SMOKE_SWEEP,
     SWEEP,
@@ -39,7 +41,7 @@ PROVIDERS = ["tritonbn", "torch_sync", "cudnn"] + ([] if GPU else ["tritonbn_tor
 
 
 def _cases():
-    resnet, sweep = (RESNET50, SWEEP) if GPU else (SMOKE_RESNET, SMOKE_SWEEP)
+    resnet, sweep, epilogue = (RESNET50, SWEEP, EPILOGUE) if GPU else (SMOKE_RESNET, SMOKE_SWEEP, SMOKE_EPILOGUE)
     for shape in resnet:
         for layout in LAYOUTS:
             for dtype in DTYPES:
@@ -51,6 +53,10 @@ def _cases():
         for layout in LAYOUTS:
             for mode in MODES:
                 yield pytest.param("sweep", shape, layout, "bf16", mode, id=f"sweep-{shape}-{layout}-bf16-{mode}")
+    for shape in epilogue:  # relu(bn(x) + r): fused in tritonbn, separate ops for the others
+        for mode in ("forward", "forward_backward"):
+            case_id = f"epilogue-{shape}-channels_last-bf16-{mode}"
+            yield pytest.param("epilogue", shape, "channels_last", "bf16", mode, id=case_id)
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +117,8 @@ def test_batchnorm(
     for key, value in provider_env(provider).items():
         monkeypatch.setenv(key, value)
     torch_dtype = DTYPES[dtype]
-    setup = make(provider, shape, layout, torch_dtype, mode, device, process_group)
+    epilogue = suite == "epilogue"
+    setup = make(provider, shape, layout, torch_dtype, mode, device, process_group, epilogue)
     setup.reset()
     setup.run()  # warm-up: compiles kernels, checks the provider runs
 
@@ -135,7 +142,7 @@ def test_batchnorm(
         peak = None
         benchmark.pedantic(setup.run, setup=setup.reset, rounds=1, iterations=1)
 
-    nbytes = bytes_per_pass(shape, torch_dtype, mode)
+    nbytes = bytes_per_pass(shape, torch_dtype, mode, epilogue)
     gbps = nbytes / (median * 1e-3) / 1e9
     benchmark.extra_info.update(
         {
