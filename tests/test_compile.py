@@ -13,12 +13,25 @@ from torch import nn
 import tritonbn
 
 
+class FusedResidual(nn.Module):
+    """silu(bn(conv(x)) + x): the fused epilogue under the compiler."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = tritonbn.SyncBatchNorm(4, activation="silu")
+
+    def forward(self, x):
+        return self.bn(self.conv(x), x)
+
+
 def make_model():
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 4, 3),
         tritonbn.SyncBatchNorm(4),
         nn.ReLU(),
+        FusedResidual(),
         nn.Flatten(),
         nn.Linear(4 * 5 * 5, 5),
         tritonbn.SyncBatchNorm(5, momentum=None),
