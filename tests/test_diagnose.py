@@ -214,3 +214,13 @@ def test_demo_runs(tmp_path):
     assert stats_spread > 1e-2 and eval_spread > 1e-3 and distance > 1e-2
     stats_spread, eval_spread, _ = row("plain BN + sync_running_stats")
     assert stats_spread == 0 and eval_spread == 0
+
+
+def test_demo_runs_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "tritonbn", "demo", "--steps", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 ranks over gloo" in result.stdout
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("tritonbn.SyncBatchNorm ")]
+    assert line.split()[1:3] == ["0.00e+00", "0.00e+00"]
