@@ -14,6 +14,11 @@ A training step is::
 
 A training forward takes 3 kernel launches (stats, its deterministic finalize, elemt) and a
 backward 3 (reduce, finalize, elemt). Eval takes 1 (elemt with the running statistics).
+
+``batch_norm_elemt`` also fuses ``act(bn(x) + residual)`` (``residual=``, ``activation=`` of
+``"relu"``, ``"leaky_relu"``, ``"silu"``); the backward launchers then take the same epilogue
+arguments and compute ``dz = dy * act'(z)`` on the fly, and ``batch_norm_backward_elemt`` writes
+the residual's gradient into ``out_grad_residual``.
 """
 
 from tritonbn.kernels._layout import Plan, plan
