@@ -71,6 +71,9 @@ def collective_bytes(C: int, world: int) -> dict[str, int]:
     }
 
 
+TRITONBN_PROVIDERS = ("tritonbn", "tritonbn_local", "tritonbn_torch")
+
+
 @dataclass
 class Setup:
     run: callable  # one pass
@@ -83,7 +86,8 @@ def make(provider: str, shape, layout: str, dtype: torch.dtype, mode: str, devic
     With ``epilogue`` every provider computes ``relu(bn(x) + r)``: tritonbn fused in its kernels,
     the others as batch norm followed by a separate add and ReLU.
 
-    Providers: ``tritonbn`` (the kernels, synchronizing over a real one-rank group), ``tritonbn_torch``
+    Providers: ``tritonbn`` (the kernels, synchronizing over a real one-rank group), ``tritonbn_local``
+    (the kernels at world size 1: no collective, the path compared with cuDNN), ``tritonbn_torch``
     (tritonbn's PyTorch backend), ``torch_sync`` (``torch.nn.SyncBatchNorm``'s synchronized autograd
     Function, with the same group, not its world-size-1 shortcut), ``cudnn`` (``F.batch_norm``:
     cuDNN on GPU, ATen on CPU; the single-device floor).
@@ -103,11 +107,13 @@ def make(provider: str, shape, layout: str, dtype: torch.dtype, mode: str, devic
     dy = torch.randn_like(x) if backward else None
     r = torch.randn_like(x).requires_grad_(backward) if epilogue else None
 
-    if provider in ("tritonbn", "tritonbn_torch"):
+    ours = provider in TRITONBN_PROVIDERS
+    if ours:
+        sync_group = group if training and provider != "tritonbn_local" else None
         fused = {"residual": r, "activation": "relu"} if epilogue else {}
 
         def forward():
-            return batch_norm(x, rm, rv, weight, bias, training, 0.1, 1e-5, group if training else None, nbt, **fused)
+            return batch_norm(x, rm, rv, weight, bias, training, 0.1, 1e-5, sync_group, nbt, **fused)
     elif provider == "torch_sync":
         from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNorm
 
@@ -124,7 +130,7 @@ def make(provider: str, shape, layout: str, dtype: torch.dtype, mode: str, devic
 
     def run():
         y = forward()
-        if epilogue and provider not in ("tritonbn", "tritonbn_torch"):
+        if epilogue and not ours:
             y = torch.relu(y + r)
         if backward:
             y.backward(dy)

@@ -37,7 +37,7 @@ from cases import (
 )
 
 GPU = os.environ.get("TRITONBN_TEST_DEVICE", "cpu") == "cuda"
-PROVIDERS = ["tritonbn", "torch_sync", "cudnn"] + ([] if GPU else ["tritonbn_torch"])
+PROVIDERS = ["tritonbn", "tritonbn_local", "torch_sync", "cudnn"] + ([] if GPU else ["tritonbn_torch"])
 
 
 def _cases():
@@ -86,7 +86,7 @@ def _launches(setup, device, provider):
             setup.run()
             torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    if provider != "tritonbn":
+    if provider not in ("tritonbn", "tritonbn_local"):
         return None  # CPU ops launch no kernels to count
     from triton.runtime.interpreter import InterpretedFunction
 
