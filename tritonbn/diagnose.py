@@ -29,6 +29,8 @@ from tritonbn.modules import SyncBatchNorm
 ATOL = 1e-6
 RTOL = 1e-5
 
+_SETTINGS = ("momentum", "eps", "affine", "track_running_stats")  # compared across ranks, in this order
+
 _warned_unsynced = False
 
 
@@ -159,9 +161,6 @@ def layer_record(
     settings = hi[-4:] != lo[-4:]
     record.mismatches = [s for s, differs in zip(_SETTINGS, settings.tolist(), strict=True) if differs]
     return record
-
-
-_SETTINGS = ("momentum", "eps", "affine", "track_running_stats")
 
 
 def _layer_vector(m: _BatchNorm) -> torch.Tensor:

@@ -74,11 +74,6 @@ class Plan:
     def grid(self) -> tuple[int, int]:
         return (self.c_blocks, self.r_progs)
 
-    @property
-    def count(self) -> int:
-        """Elements per channel in the local reduction space, ``N * prod(S)``."""
-        return self.outer * self.INNER
-
 
 def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor) -> Plan:
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
