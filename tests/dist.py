@@ -18,6 +18,7 @@ def _entry(rank, world, init_file, fn, args):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         fn(rank, world, *args)
+        dist.barrier()  # leave together: tearing gloo down while a peer still talks can abort the peer
     finally:
         dist.destroy_process_group()
 

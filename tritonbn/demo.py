@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import inspect
 import os
 import sys
@@ -176,31 +177,31 @@ def _worker(rank: int, world: int, device: torch.device, steps: int) -> None:
     )
 
 
-def _spawned(rank: int, world: int, init_file: str, use_cuda: bool, steps: int) -> None:
-    torch.set_num_threads(1)
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+def _run(device: torch.device, steps: int, **init) -> None:
+    """Join the process group, run the demo, and leave together (a rank that tears gloo down while its
+    peer still talks can abort the peer)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120), **init)
     try:
-        _worker(rank, world, torch.device("cuda", rank) if use_cuda else torch.device("cpu"), steps)
+        _worker(dist.get_rank(), dist.get_world_size(), device, steps)
+        gc.collect()  # free the DDP wrappers (their reducers hold the group) before the group goes
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+def _spawned(rank: int, world: int, init_file: str, use_cuda: bool, steps: int) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    _run(device, steps, init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
 def main(world: int = 2, steps: int = 10, cpu: bool = False) -> int:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        use_cuda = not cpu and torch.cuda.is_available()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: it set up the rendezvous
         local = int(os.environ.get("LOCAL_RANK", 0))
-        if use_cuda:
-            torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        try:
-            device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-            _worker(dist.get_rank(), dist.get_world_size(), device, steps)
-        finally:
-            dist.destroy_process_group()
+        _run(torch.device("cuda", local) if not cpu and torch.cuda.is_available() else torch.device("cpu"), steps)
         return 0
     use_cuda = not cpu and torch.cuda.device_count() >= world
     print(f"spawning {world} {'GPU' if use_cuda else 'CPU'} ranks ...", flush=True)
