@@ -224,3 +224,26 @@ def test_demo_runs_under_torchrun():
     assert "2 ranks over gloo" in result.stdout
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("tritonbn.SyncBatchNorm ")]
     assert line.split()[1:3] == ["0.00e+00", "0.00e+00"]
+
+
+def test_recalibrate_a_fused_model_in_one_process():
+    """Fused modules (activation, residual) recalibrate too; one process needs no group."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(3, 3, 3, padding=1)
+            self.bn = tritonbn.SyncBatchNorm(3, activation="relu")
+
+        def forward(self, x):
+            return self.bn(self.conv(x), x)
+
+    torch.manual_seed(5)
+    block = Block()
+    batches = [torch.randn(4, 3, 6) * 2 + 1 for _ in range(3)]
+    assert tritonbn.recalibrate_batchnorm(block, batches) == 3
+    with torch.no_grad():
+        inputs = torch.cat([block.conv(x) for x in batches]).double()
+    torch.testing.assert_close(block.bn.running_mean.double(), inputs.mean((0, 2)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(block.bn.running_var.double(), inputs.var((0, 2)), atol=1e-5, rtol=1e-5)
+    assert block.training and "forward" not in block.bn.__dict__

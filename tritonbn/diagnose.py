@@ -293,10 +293,13 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
     sums: dict[int, torch.Tensor] = {}
 
     def patched(m: _BatchNorm):
-        def fwd(x):
+        epilogue = {"activation": getattr(m, "activation", None), "negative_slope": getattr(m, "negative_slope", 0.01)}
+
+        def fwd(x, residual=None):  # a fused tritonbn module also takes the residual
             stats = ops_for(x).batch_norm_stats(x)
             sums[id(m)] = stats if id(m) not in sums else sums[id(m)] + stats
-            return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group)
+            return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group, residual=residual,
+                              **epilogue)  # fmt: skip
 
         return fwd
 
