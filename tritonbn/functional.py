@@ -59,6 +59,11 @@ def _check_vector(name: str, t: torch.Tensor | None, C: int, x: torch.Tensor) ->
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
 
 
+def check_momentum(momentum: float | None) -> None:
+    if momentum is not None and not (0.0 <= float(momentum) <= 1.0):
+        raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
+
+
 def check_inputs(
     input: torch.Tensor,
     running_mean: torch.Tensor | None,
@@ -87,8 +92,7 @@ def check_inputs(
         _check_vector(name, t, C, input)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be tensors or both be None")
-    if momentum is not None and not (0.0 <= float(momentum) <= 1.0):
-        raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
+    check_momentum(momentum)
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if residual is not None:

@@ -8,7 +8,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritonbn.activations import check_activation
 from tritonbn.distributed import resolve_group
-from tritonbn.functional import batch_norm
+from tritonbn.functional import batch_norm, check_inputs, check_momentum
 
 _ORIGINAL = "_tritonbn_original_class"
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -40,8 +40,7 @@ class SyncBatchNorm(_BatchNorm):
     ) -> None:
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        if momentum is not None and not (0.0 <= float(momentum) <= 1.0):
-            raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
+        check_momentum(momentum)
         check_activation(activation, negative_slope)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
@@ -49,10 +48,8 @@ class SyncBatchNorm(_BatchNorm):
         self.negative_slope = negative_slope
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2 or input.dim() > 5:
-            raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got shape {tuple(input.shape)}")
-        if input.shape[1] != self.num_features:
-            raise ValueError(f"input has {input.shape[1]} channels (dim 1), but num_features={self.num_features}")
+        """torch's BatchNorm hook; forward runs the same checks (and more) itself."""
+        check_inputs(input, None, None, None, None, self.momentum, self.eps, num_features=self.num_features)
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
