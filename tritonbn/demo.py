@@ -119,6 +119,12 @@ def distance(model: nn.Module, reference: nn.Module | None) -> float:
     )
 
 
+def figures(model: nn.Module, reference: nn.Module | None, device: torch.device) -> tuple[float, float, float]:
+    """A table row: running-stat spread across ranks (largest relative), eval spread, distance to 1 process."""
+    stats_spread = max((max(r.mean_rel, r.var_rel) for r in check_bn_sync(model).layers), default=0.0)
+    return stats_spread, eval_spread(model, device), distance(model, reference)
+
+
 def _worker(rank: int, world: int, device: torch.device, steps: int) -> None:
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     probe = torch.empty(0, device=device)
@@ -146,16 +152,11 @@ def _worker(rank: int, world: int, device: torch.device, steps: int) -> None:
             continue
         if plain is None:
             plain = model
-        report = check_bn_sync(model)
-        rel = max((max(r.mean_rel, r.var_rel) for r in report.layers), default=0.0)
-        rows.append((label, rel, eval_spread(model, device), distance(model, reference), None))
+        rows.append((label, *figures(model, reference, device), None))
     say("  [4/4] plain BatchNorm, repaired with tritonbn.sync_running_stats ...")
     repaired = copy.deepcopy(plain)
     tritonbn.sync_running_stats(repaired)
-    report = check_bn_sync(repaired)
-    rel = max((max(r.mean_rel, r.var_rel) for r in report.layers), default=0.0)
-    spread = eval_spread(repaired, device)
-    rows.append(("plain BN + sync_running_stats", rel, spread, distance(repaired, reference), None))
+    rows.append(("plain BN + sync_running_stats", *figures(repaired, reference, device), None))
     say(f"  done in {time.perf_counter() - t0:.1f} s\n")
     head = ("method", "BN stats spread", "eval spread", "distance to 1 process")
     table = [head] + [
