@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -36,3 +37,17 @@ def load_ranks(out_dir: str, world: int) -> list:
 
 def save_rank(out_dir: str, rank: int, obj) -> None:
     torch.save(obj, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@contextlib.contextmanager
+def backend_env(name: str):
+    """Set TRITONBN_BACKEND (inherited by spawned ranks) for a block wider than a test, then restore it."""
+    old = os.environ.get("TRITONBN_BACKEND")
+    os.environ["TRITONBN_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITONBN_BACKEND", None)
+        else:
+            os.environ["TRITONBN_BACKEND"] = old

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dist import load_ranks, save_rank, spawn
+from dist import backend_env, load_ranks, save_rank, spawn
 from oracle import PARAM_GRAD_TOL, TOLERANCES, make_layout
 from torch import nn
 
@@ -101,14 +100,9 @@ def _rank_epilogues(rank, world, out_dir):
 
 @pytest.fixture(scope="module", params=["triton", "torch"])
 def world2(request):
-    old = os.environ.get("TRITONBN_BACKEND")
-    os.environ["TRITONBN_BACKEND"] = request.param
-    try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            spawn(2, _rank_epilogues, out_dir)
-            yield load_ranks(out_dir, 2)
-    finally:
-        os.environ.pop("TRITONBN_BACKEND") if old is None else os.environ.__setitem__("TRITONBN_BACKEND", old)
+    with backend_env(request.param), tempfile.TemporaryDirectory() as out_dir:
+        spawn(2, _rank_epilogues, out_dir)
+        yield load_ranks(out_dir, 2)
 
 
 @pytest.mark.distributed

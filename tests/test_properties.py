@@ -7,10 +7,9 @@ back-propagates with the summed buffers. (Real multi-rank runs are in test_sync.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+from dist import backend_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import TOLERANCES, make_layout
@@ -52,15 +51,8 @@ def problems(draw):
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_random_problems_match_the_oracle(p):
-    old = os.environ.get("TRITONBN_BACKEND")
-    os.environ["TRITONBN_BACKEND"] = p["backend"]
-    try:
+    with backend_env(p["backend"]):  # hypothesis draws the backend; monkeypatch is per test, not per example
         _check(p)
-    finally:
-        if old is None:
-            os.environ.pop("TRITONBN_BACKEND")
-        else:
-            os.environ["TRITONBN_BACKEND"] = old
 
 
 def _check(p):

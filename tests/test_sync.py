@@ -6,14 +6,13 @@ compare the concatenated outputs, input grads, summed parameter grads and buffer
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist import load_ranks, save_rank, spawn
+from dist import backend_env, load_ranks, save_rank, spawn
 from oracle import PARAM_GRAD_TOL, TOLERANCES, Oracle, make_layout
 
 import tritonbn
@@ -96,17 +95,9 @@ def _rank_cases(rank, world, out_dir):
 @pytest.fixture(scope="module", params=[(2, "triton"), (3, "triton"), (2, "torch"), (3, "torch")], ids=str)
 def sync_run(request):
     world, backend_name = request.param
-    old = os.environ.get("TRITONBN_BACKEND")
-    os.environ["TRITONBN_BACKEND"] = backend_name
-    try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            spawn(world, _rank_cases, out_dir)
-            yield world, load_ranks(out_dir, world)
-    finally:
-        if old is None:
-            os.environ.pop("TRITONBN_BACKEND", None)
-        else:
-            os.environ["TRITONBN_BACKEND"] = old
+    with backend_env(backend_name), tempfile.TemporaryDirectory() as out_dir:
+        spawn(world, _rank_cases, out_dir)
+        yield world, load_ranks(out_dir, world)
 
 
 def _close(actual, expected, tol, what):
