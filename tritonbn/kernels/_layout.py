@@ -17,6 +17,7 @@ over channels (axis 0) *and* over ``N*S`` (axis 1). No ``.contiguous()`` copy is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -40,9 +41,40 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
+# Set by :func:`planned_as`: plan every launch as if it ran on this kind of device.
+_planned_as: tuple[str, int] | None = None
+
+
+@contextlib.contextmanager
+def planned_as(device_type: str = "cuda", sm_count: int = 132):
+    """Plan launches as a ``device_type`` device with ``sm_count`` SMs would, whatever the tensors' device.
+
+    For tools that read the compiled code without a GPU (``benchmarks/kernel_audit.py``): the
+    tensors stay on CPU, the tiles and grid are those a CUDA device (default: an H100/H200's 132
+    SMs) would get.
+    """
+    global _planned_as
+    old, _planned_as = _planned_as, (device_type, sm_count)
+    _plan.cache_clear()
+    try:
+        yield
+    finally:
+        _planned_as = old
+        _plan.cache_clear()
+
+
+def _device_kind(device: torch.device) -> tuple[str, int]:
+    """``(device type, SM count)`` the plan is made for."""
+    if _planned_as is not None:
+        return _planned_as
     if device.type == "cuda":
-        return _PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return "cuda", _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type, 0
+
+
+def _target_programs(kind: tuple[str, int]) -> int:
+    if kind[0] == "cuda":
+        return _PROGRAMS_PER_SM * kind[1]
     return _CPU_PROGRAMS
 
 
@@ -83,11 +115,12 @@ def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor) -> Plan:
     """
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
-    return _plan(tuple(int(d) for d in shape), tuple(t.stride() for t in tensors), tensors[0].device)
+    kind = _device_kind(tensors[0].device)
+    return _plan(tuple(int(d) for d in shape), tuple(t.stride() for t in tensors), kind)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], device: torch.device) -> Plan:
+def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple[str, int]) -> Plan:
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
     dims = [(shape[0], [st[0] for st in all_strides])]
@@ -112,7 +145,7 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], devi
     outer = o0 * o1 * o2
     strides = tuple((st[1], s0[k], s1[k], s2[k], inner_strides[k]) for k, st in enumerate(all_strides))
 
-    tile = _GPU_TILE if device.type == "cuda" else _CPU_TILE
+    tile = _GPU_TILE if kind[0] == "cuda" else _CPU_TILE
     c_pow2 = _next_pow2(C)
     i_pow2 = _next_pow2(inner_size)
     channels_fastest = all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
@@ -125,7 +158,7 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], devi
     c_blocks = -(-C // BLOCK_C)
     inner_tiles = -(-inner_size // BLOCK_I)
     tiles = outer * inner_tiles
-    r_progs = max(1, min(tiles, -(-_target_programs(device) // c_blocks)))
+    r_progs = max(1, min(tiles, -(-_target_programs(kind) // c_blocks)))
     tiles_per_prog = max(1, -(-tiles // r_progs))
     r_progs = max(1, -(-tiles // tiles_per_prog))  # drop programs that would get no tile
 
