@@ -83,7 +83,7 @@ def _check(p):
     reduced = [ops.batch_norm_backward_reduce(dyr, xr, o[1], o[2], w) for dyr, xr, o in zip(dys, xs, outs, strict=True)]
     sums = sum(r[0] for r in reduced)  # the backward all-reduce
     dxs = [
-        ops.batch_norm_backward_elemt(dyr, xr, o[1], o[2], w, sums, stats[2])
+        ops.batch_norm_backward_elemt(dyr, xr, o[1], o[2], w, sums, stats[-1:])
         for dyr, xr, o in zip(dys, xs, outs, strict=True)
     ]
 

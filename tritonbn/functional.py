@@ -2,15 +2,18 @@
 
 Forward (training)::
 
-    stats = batch_norm_stats(x)                 # local [sum_x | sum_x2 | count], (3, C) fp64
-    all_reduce(stats)                           # THE forward collective: 3*C doubles, any world size
+    stats = batch_norm_stats(x)                 # local [sum_x | sum_x2 | count], (2C + 1,) fp64
+    all_reduce(stats)                           # THE forward collective: 2C + 1 doubles, any world size
     y, mean, invstd = batch_norm_elemt(...)     # also updates the running stats on the device
 
 Backward (training)::
 
     sums, dw, db = batch_norm_backward_reduce(dy, x, mean, invstd, w)   # local, (2, C) fp32
     all_reduce(sums)                            # THE backward collective: 2*C floats
-    dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count)
+    dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:])
+
+Each launcher is one kernel launch. Float64 inputs compute in float64 throughout (saved invstd and
+the backward sums too), so ``torch.autograd.gradcheck`` holds at its default tolerances.
 
 Derivation. With ``xhat = (x - mean) * invstd`` over the global batch of ``n`` elements per
 channel and ``y = xhat * w + b``, the gradient of any loss with respect to ``x`` is
@@ -129,6 +132,16 @@ def _signature(where: int, input, training: bool, input_grad: bool) -> dict[str,
     }
 
 
+def stats_shape(C: int) -> tuple[int]:
+    """Shape of the packed forward statistics: ``[sum x (C) | sum x^2 (C) | count (1)]``."""
+    return (2 * C + 1,)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the kernels compute in (and save invstd as) for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def in_backward() -> bool:
     """Whether this forward runs inside a backward pass: an activation-checkpointing recompute."""
     return torch._C._current_graph_task_id() != -1
@@ -169,7 +182,7 @@ def batch_norm_forward(
 
     Training: local stats, the one all-reduce over the group named ``group_name`` ("" for none),
     then ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the
-    ``(3, C)`` global ``[sum x | sum x^2 | count]``; in eval it is left uninitialized. A forward that
+    ``(2C + 1,)`` global ``[sum x | sum x^2 | count]``; in eval it is left uninitialized. A forward that
     runs inside a backward pass (an activation-checkpointing recompute) leaves the running
     statistics alone.
     """
@@ -193,7 +206,7 @@ def batch_norm_forward(
             **epilogue,
         )
     else:
-        stats = torch.empty((3, x.shape[1]), dtype=torch.float64, device=x.device)
+        stats = torch.empty(stats_shape(x.shape[1]), dtype=torch.float64, device=x.device)
         y, mean, invstd = ops.batch_norm_elemt(
             x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps, **epilogue
         )
@@ -206,8 +219,8 @@ def _(x, weight, bias, running_mean, running_var, num_batches_tracked, residual,
     return (
         torch.empty_like(x),
         x.new_empty(C, dtype=torch.float64),
-        x.new_empty(C, dtype=torch.float32),
-        x.new_empty((3, C), dtype=torch.float64),
+        x.new_empty(C, dtype=compute_dtype(x.dtype)),
+        x.new_empty(stats_shape(C), dtype=torch.float64),
     )
 
 
@@ -269,7 +282,7 @@ def batch_norm_backward(
             invstd,
             weight,
             sums if training else None,
-            stats[2] if training else None,
+            stats[-1:] if training else None,
             input_grad=input_grad,
             out_grad_residual=dr if residual_grad else None,
             **epilogue,
@@ -282,7 +295,7 @@ def batch_norm_backward(
 def _(grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
       input_grad, weight_grad, bias_grad, residual_grad, group_name):  # fmt: skip
     C = x.shape[1]
-    gdtype = weight.dtype if weight is not None else torch.float32
+    gdtype = weight.dtype if weight is not None else compute_dtype(x.dtype)
     return (
         torch.empty_like(x) if input_grad else x.new_empty(0),
         x.new_empty(C, dtype=gdtype) if weight_grad else x.new_empty(0),

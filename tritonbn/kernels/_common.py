@@ -1,4 +1,17 @@
-"""Triton helpers shared by the kernels: tile indexing and per-channel statistics."""
+"""Triton helpers shared by the kernels: the tile walk, per-channel statistics, tickets, epilogues.
+
+The tile walk. A program owns the contiguous chunk of tiles ``[t_start, t_end)`` (see
+:mod:`tritonbn.kernels._layout`). It keeps the tile's outer index ``o`` and inner tile ``it`` and
+steps them by one each iteration, without a division. Every loop issues the loads of the *next*
+tile before it computes on the current one (software prefetch into registers), so each iteration's
+loads are in flight together and overlap the previous tile's arithmetic.
+
+The ticket. A kernel whose programs each write a partial result finishes in the same launch: each
+program stores its partials, then takes a ticket with one atomic increment; the program that draws
+the last ticket merges all the partials, in a fixed order (so the result is bitwise deterministic
+whatever order the programs finish in), and puts the counter back to zero for the next launch (so
+no memset is needed, and a CUDA graph can replay it).
+"""
 
 import triton
 import triton.language as tl
@@ -7,50 +20,86 @@ from tritonbn.activations import ACTIVATIONS
 
 
 @triton.jit
-def tile_index(t, inner_tiles, O1, O2, BLOCK_I: tl.constexpr, USE_INT64: tl.constexpr):
-    """Split tile number ``t`` into its outer indices ``(o0, o1, o2)`` and first inner index."""
+def tile_start(t_start, inner_tiles, USE_INT64: tl.constexpr):
+    """``(o, it)``: the outer index and the inner tile of tile number ``t_start``."""
     if USE_INT64:
-        t = tl.cast(t, tl.int64)
-    o = t // inner_tiles
-    i0 = (t - o * inner_tiles) * BLOCK_I
-    o2 = o % O2
-    o1 = (o // O2) % O1
-    o0 = o // (O2 * O1)
-    return o0, o1, o2, i0
+        t_start = tl.cast(t_start, tl.int64)
+    o = t_start // inner_tiles
+    return o, t_start - o * inner_tiles
 
 
 @triton.jit
-def tile_offsets(o0, o1, o2, cols, inner, s_c, s_o0, s_o1, s_o2, s_i):
-    """Element offsets of a ``[BLOCK_C, BLOCK_I]`` tile in a tensor with the given strides."""
-    return (o0 * s_o0 + o1 * s_o1 + o2 * s_o2) + cols[:, None] * s_c + inner[None, :] * s_i
+def tile_next(o, it, inner_tiles):
+    """The tile after ``(o, it)``."""
+    it += 1
+    wrap = it == inner_tiles
+    return tl.where(wrap, o + 1, o), tl.where(wrap, 0, it)
+
+
+@triton.jit
+def tile_mask(it, valid, c_mask, lanes, INNER_V, BLOCK_I: tl.constexpr, VEC: tl.constexpr):
+    """``(inner, mask)`` of the ``[BLOCK_C, BLOCK_I]`` tile at inner tile ``it``; ``valid``: the tile exists.
+
+    The inner size is ``INNER_V * VEC``, so the mask is constant over runs of ``VEC`` lanes.
+    """
+    inner = it * BLOCK_I + lanes
+    return inner, c_mask[:, None] & (inner < tl.where(valid, INNER_V, 0) * VEC)[None, :]
+
+
+@triton.jit
+def tile_offsets(o, cols, inner, O1, O2, s_c, s_o0, s_o1, s_o2, s_i, VEC: tl.constexpr):
+    """Element offsets of a tile at outer index ``o`` in a tensor with the given strides.
+
+    The channel and outer strides arrive divided by ``VEC`` (see ``_layout._vector_hint``).
+    """
+    o2 = o % O2
+    o1 = (o // O2) % O1
+    o0 = o // (O2 * O1)
+    base = (o0 * s_o0 + o1 * s_o1 + o2 * s_o2) * VEC
+    return base + (cols * (s_c * VEC))[:, None] + (inner * s_i)[None, :]
+
+
+@triton.jit
+def take_ticket(ticket_ptr):
+    """Draw this program's ticket: the number of programs sharing the counter that drew one before it.
+
+    The barrier puts every thread's earlier stores (and loads) before the atomic, whose acq_rel
+    order publishes them to the program that draws the last ticket.
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(ticket_ptr, 1)
 
 
 @triton.jit
 def channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING: tl.constexpr):
-    """Per-channel ``(mean, biased var, count)`` in fp64.
+    """Per-channel ``(mean, biased var)`` in fp64, and the count (a scalar).
 
-    Training reads the packed global sums ``stats = [sum_x | sum_x2 | count]`` of shape ``(3, C)``;
-    eval reads the running statistics (count is then 0, unused).
+    Training reads the packed global sums ``stats = [sum_x (C) | sum_x2 (C) | count]``; eval reads
+    the running statistics (count is then 0, unused). A NaN or Inf in a channel's sums reaches its
+    mean and variance, as in torch: the clamp of the variance at 0 propagates NaN.
     """
     if TRAINING:
         s1 = tl.load(stats_ptr + cols, mask=c_mask, other=0.0)
         s2 = tl.load(stats_ptr + C + cols, mask=c_mask, other=0.0)
-        n = tl.load(stats_ptr + 2 * C + cols, mask=c_mask, other=0.0)
-        nn = tl.maximum(n, 1.0)
-        mean = s1 / nn
-        var = tl.maximum(s2 / nn - mean * mean, 0.0)
+        n = tl.load(stats_ptr + 2 * C)
+        inv_n = 1.0 / tl.maximum(n, 1.0)
+        mean = s1 * inv_n
+        var = tl.maximum(s2 * inv_n - mean * mean, 0.0, propagate_nan=tl.PropagateNan.ALL)
     else:
         mean = tl.load(rmean_ptr + cols, mask=c_mask, other=0.0).to(tl.float64)
         var = tl.load(rvar_ptr + cols, mask=c_mask, other=1.0).to(tl.float64)
-        n = tl.zeros_like(mean)
+        n = 0.0
     return mean, var, n
 
 
 @triton.jit
-def split_mean(mean64):
-    """Split an fp64 mean into fp32 ``hi + lo``: ``(x - hi) - lo`` keeps fp32 precision far from zero."""
-    hi = mean64.to(tl.float32)
-    lo = (mean64 - hi.to(tl.float64)).to(tl.float32)
+def split_mean(mean64, ACC: tl.constexpr):
+    """Split an fp64 mean into ``hi + lo`` in ``ACC``: ``(x - hi) - lo`` keeps fp32 precision far from zero.
+
+    With ``ACC`` float64 (float64 inputs) ``hi`` is the mean and ``lo`` is 0.
+    """
+    hi = mean64.to(ACC)
+    lo = (mean64 - hi.to(tl.float64)).to(ACC)
     return hi, lo
 
 
@@ -62,7 +111,7 @@ ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 def activate(z, slope, ACTIVATION: tl.constexpr):
     """act(z) for ACTIVATION 0 (none), 1 (relu), 2 (leaky_relu with ``slope``), 3 (silu)."""
     if ACTIVATION == 1:
-        z = tl.maximum(z, 0.0)
+        z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as in torch
     elif ACTIVATION == 2:
         z = tl.where(z > 0, z, z * slope)
     elif ACTIVATION == 3:

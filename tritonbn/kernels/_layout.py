@@ -28,6 +28,7 @@ import torch
 _GPU_TILE = 2048
 _CPU_TILE = 4096
 _CPU_PROGRAMS = 4
+_MERGE_TILE = 4096  # elements of the [BLOCK_R, BLOCK_C] tile the last program merges partials with
 _PROGRAMS_PER_SM = 4
 _INT32_MAX = 2**31 - 1
 
@@ -101,10 +102,40 @@ class Plan:
     tiles_per_prog: int
     use_int64: bool
     num_warps: int
+    VEC: int  # divides INNER and every channel and outer stride (see _vector_hint)
+    BLOCK_R: int  # rows of partials the last program merges at a time
+
+    def args(self, k: int = 0) -> tuple[int, ...]:
+        """Tensor ``k``'s strides as the kernels take them: ``(s_c, s_o0, s_o1, s_o2)`` over ``VEC``, then ``s_i``."""
+        s_c, s_o0, s_o1, s_o2, s_i = self.strides[k]
+        v = self.VEC
+        return (s_c // v, s_o0 // v, s_o1 // v, s_o2 // v, s_i)
+
+    def sizes(self) -> tuple[int, ...]:
+        """``(C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)``, the size arguments of every kernel."""
+        return (self.C, self.O1, self.O2, self.INNER // self.VEC, self.inner_tiles, self.tiles, self.tiles_per_prog)
 
     @property
     def grid(self) -> tuple[int, int]:
         return (self.c_blocks, self.r_progs)
+
+
+_tickets: dict = {}
+
+
+def tickets(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 ticket counters at zero on ``device``, for one launch on the current stream.
+
+    A kernel that takes tickets (see :mod:`tritonbn.kernels._common`) leaves them at zero, so one
+    buffer per device and stream serves every launch in turn, with no memset and no allocation in
+    a captured CUDA graph once the buffer exists.
+    """
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _tickets.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _tickets[key] = buf
+    return buf
 
 
 def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor) -> Plan:
@@ -147,20 +178,20 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind
 
     tile = _GPU_TILE if kind[0] == "cuda" else _CPU_TILE
     c_pow2 = _next_pow2(C)
-    i_pow2 = _next_pow2(inner_size)
     channels_fastest = all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
     if channels_fastest:  # channels_last: lanes along C are contiguous
         BLOCK_C = min(c_pow2, 128)
-        BLOCK_I = max(1, min(i_pow2, tile // BLOCK_C))
+        BLOCK_I = max(1, min(_next_pow2(inner_size), tile // BLOCK_C))
     else:  # NCHW and the rest: lanes along the inner dim
-        BLOCK_I = min(i_pow2, 1024, tile)
+        BLOCK_I = _inner_block(inner_size, min(1024, tile))
         BLOCK_C = max(1, min(c_pow2, tile // BLOCK_I))
     c_blocks = -(-C // BLOCK_C)
-    inner_tiles = -(-inner_size // BLOCK_I)
-    tiles = outer * inner_tiles
+    inner_tiles = max(1, -(-inner_size // BLOCK_I))
+    tiles = outer * inner_tiles if inner_size else 0
     r_progs = max(1, min(tiles, -(-_target_programs(kind) // c_blocks)))
     tiles_per_prog = max(1, -(-tiles // r_progs))
     r_progs = max(1, -(-tiles // tiles_per_prog))  # drop programs that would get no tile
+    VEC = _vector_hint(inner_size, strides)
 
     max_offset = 0
     if all(shape):
@@ -180,5 +211,42 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind
         r_progs=r_progs,
         tiles_per_prog=tiles_per_prog,
         use_int64=max_offset > _INT32_MAX or tiles * BLOCK_I > _INT32_MAX,
-        num_warps=4 if BLOCK_C * BLOCK_I <= 2048 else 8,
+        num_warps=4 if BLOCK_C * BLOCK_I < 2048 else 8,
+        VEC=VEC,
+        BLOCK_R=max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C)),
     )
+
+
+def _inner_block(inner: int, cap: int) -> int:
+    """The inner block for lanes along a contiguous inner dim: the largest power of two up to ``cap``
+    that pads ``inner`` by less than 5% (so a 7x7 plane, 49 elements, gets 25 blocks of 2 lanes,
+    not one block of 64 lanes with 15 idle), or the one that pads least when none does.
+    """
+    best, best_waste = 1, 1.0
+    b = 1
+    while b <= min(cap, _next_pow2(inner)):
+        waste = (-(-inner // b) * b - inner) / inner
+        if waste < 0.05:
+            best, best_waste = b, 0.0
+        elif best_waste > 0.0 and waste < best_waste:
+            best, best_waste = b, waste
+        b *= 2
+    return best
+
+
+def _vector_hint(inner: int, strides: tuple[tuple[int, ...], ...]) -> int:
+    """The largest power of two (at most 16) that divides ``inner`` and every channel and outer stride,
+    when every tensor's inner dim is contiguous; else 1.
+
+    The kernels take those sizes and strides divided by ``VEC`` and multiply them back by the
+    constexpr ``VEC``, so Triton can prove each tile row starts on a ``VEC``-element boundary and
+    masks change only every ``VEC`` lanes: vector loads and stores for planes such as 14x14 (196 =
+    4 * 49), whose sizes Triton's divisible-by-16 specialization cannot see.
+    """
+    if not all(s[4] == 1 for s in strides):
+        return 1
+    vec = 16
+    for v in (inner, *(x for s in strides for x in s[:4])):
+        while vec > 1 and v % vec:
+            vec //= 2
+    return vec

@@ -13,10 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonbn.kernels._common import ACTIVATION_CODES, grad_z, split_mean, tile_index, tile_offsets
+from tritonbn.kernels._common import (
+    ACTIVATION_CODES,
+    grad_z,
+    split_mean,
+    tile_mask,
+    tile_next,
+    tile_offsets,
+    tile_start,
+)
 from tritonbn.kernels._layout import plan
 from tritonbn.kernels.backward_reduce import aux_tensor
 from tritonbn.kernels.elemt import empty_like_layout
+from tritonbn.kernels.stats import acc_dtype
 
 
 @triton.jit
@@ -28,20 +37,20 @@ def _batch_norm_backward_elemt_kernel(
     dx_ptr,  # (N, C, *S) out, dtype of x, or unused
     dr_ptr,  # (N, C, *S) out: the residual's gradient, or unused
     mean_ptr,  # (C,) fp64
-    invstd_ptr,  # (C,) fp32
+    invstd_ptr,  # (C,) ACC
     w_ptr,  # (C,) or unused
     b_ptr,  # (C,) or unused
-    sums_ptr,  # (2, C) fp32 global [sum_dy | sum_dy_xhat] (training)
-    count_ptr,  # (C,) fp64 global count (training)
+    sums_ptr,  # (2, C) ACC global [sum_dy | sum_dy_xhat] (training)
+    count_ptr,  # fp64, first element: the global count per channel (training)
     # sizes
     C,
     O1,
     O2,
-    INNER,
+    INNER_V,
     inner_tiles,
     tiles,
     tiles_per_prog,
-    # strides of dy, x and dx
+    # strides of dy, x, aux, dx and dr
     sdy_c,
     sdy_o0,
     sdy_o1,
@@ -76,8 +85,10 @@ def _batch_norm_backward_elemt_kernel(
     AUX: tl.constexpr,
     WRITE_DX: tl.constexpr,
     WRITE_DR: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    VEC: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
     """dx = (dz - mean(dz) - xhat * mean(dz * xhat)) * invstd * weight, and d(residual) = dz."""
@@ -85,53 +96,73 @@ def _batch_norm_backward_elemt_kernel(
     pid_r = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = cols < C
-    invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0)
+    invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     if HAS_WEIGHT:
-        scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
+        scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     else:
         scale = invstd
-    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+    bias = tl.zeros([BLOCK_C], dtype=ACC)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
-    hi, lo = split_mean(tl.load(mean_ptr + cols, mask=c_mask, other=0.0))
+        bias = tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(ACC)
+    hi, lo = split_mean(tl.load(mean_ptr + cols, mask=c_mask, other=0.0), ACC)
     if TRAINING:
-        inv_n = 1.0 / tl.maximum(tl.load(count_ptr + cols, mask=c_mask, other=1.0), 1.0).to(tl.float32)
-        mean_dy = tl.load(sums_ptr + cols, mask=c_mask, other=0.0) * inv_n
+        inv_n = (1.0 / tl.maximum(tl.load(count_ptr), 1.0)).to(ACC)
+        mean_dy = tl.load(sums_ptr + cols, mask=c_mask, other=0.0).to(ACC) * inv_n
         # xhat * mean(dy * xhat) = (x - mean) * invstd^2 * mean(dy * xhat)
-        k = tl.load(sums_ptr + C + cols, mask=c_mask, other=0.0) * inv_n * invstd
+        k = tl.load(sums_ptr + C + cols, mask=c_mask, other=0.0).to(ACC) * inv_n * invstd
+        # dx = (dz - k * (x - hi)) * scale + c, with c = (k * lo - mean_dy) * scale
+        c = (k * lo - mean_dy) * scale
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
         cols = cols.to(tl.int64)
         lanes = lanes.to(tl.int64)
+    NEED_X: tl.constexpr = TRAINING or (ACTIVATION != 0 and AUX != 2)  # dx needs xhat, or z is recomputed
+    READ_AUX: tl.constexpr = ACTIVATION != 0 and AUX != 0
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
+    o, it = tile_start(t_start, inner_tiles, USE_INT64)
+    inner, mask = tile_mask(it, t_start < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+    dy = tl.load(dy_ptr + tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC), mask=mask)
+    if NEED_X:
+        x = tl.load(x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask)
+    if READ_AUX:
+        aux = tl.load(aux_ptr + tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC), mask=mask)
     for t in range(t_start, t_end):
-        o0, o1, o2, i0 = tile_index(t, inner_tiles, O1, O2, BLOCK_I, USE_INT64)
-        inner = i0 + lanes
-        mask = c_mask[:, None] & (inner < INNER)[None, :]
-        dy_offs = tile_offsets(o0, o1, o2, cols, inner, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i)
-        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-        if TRAINING or (ACTIVATION != 0 and AUX != 2):  # dx needs xhat, or z is recomputed from x
-            x_offs = tile_offsets(o0, o1, o2, cols, inner, sx_c, sx_o0, sx_o1, sx_o2, sx_i)
-            x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-            xc = (x - hi[:, None]) - lo[:, None]
+        dx_offs = tile_offsets(o, cols, inner, O1, O2, sdx_c, sdx_o0, sdx_o1, sdx_o2, sdx_i, VEC)
+        dr_offs = tile_offsets(o, cols, inner, O1, O2, sdr_c, sdr_o0, sdr_o1, sdr_o2, sdr_i, VEC)
+        out_mask = mask
+        # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
+        o, it = tile_next(o, it, inner_tiles)
+        inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+        dy_next = tl.load(
+            dy_ptr + tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC), mask=mask
+        )
+        if NEED_X:
+            x_offs = tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC)
+            x_next = tl.load(x_ptr + x_offs, mask=mask)
+            xc = x.to(ACC) - hi[:, None]
+            x = x_next
         else:
-            xc = dy
-        aux = dy
-        if ACTIVATION != 0 and AUX != 0:
-            aux_offs = tile_offsets(o0, o1, o2, cols, inner, sa_c, sa_o0, sa_o1, sa_o2, sa_i)
-            aux = tl.load(aux_ptr + aux_offs, mask=mask, other=0.0).to(tl.float32)
-        dz = grad_z(dy, xc, scale, bias, aux, slope, ACTIVATION, AUX)
+            xc = dy.to(ACC)
+        dz = dy.to(ACC)
+        if READ_AUX:
+            a_offs = tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC)
+            aux_next = tl.load(aux_ptr + a_offs, mask=mask)
+            a = aux.to(ACC)
+            aux = aux_next
+        else:
+            a = dz
+        if ACTIVATION != 0:
+            dz = grad_z(dz, xc - lo[:, None], scale, bias, a, slope, ACTIVATION, AUX)
         if WRITE_DR:
-            dr_offs = tile_offsets(o0, o1, o2, cols, inner, sdr_c, sdr_o0, sdr_o1, sdr_o2, sdr_i)
-            tl.store(dr_ptr + dr_offs, dz.to(dr_ptr.dtype.element_ty), mask=mask)
+            tl.store(dr_ptr + dr_offs, dz.to(dr_ptr.dtype.element_ty), mask=out_mask)
         if WRITE_DX:
             if TRAINING:
-                dx = (dz - mean_dy[:, None] - xc * k[:, None]) * scale[:, None]
+                dx = (dz - xc * k[:, None]) * scale[:, None] + c[:, None]
             else:
                 dx = dz * scale[:, None]
-            dx_offs = tile_offsets(o0, o1, o2, cols, inner, sdx_c, sdx_o0, sdx_o1, sdx_o2, sdx_i)
-            tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=out_mask)
+        dy = dy_next
 
 
 def batch_norm_backward_elemt(
@@ -158,11 +189,11 @@ def batch_norm_backward_elemt(
         x: the forward input, any strides.
         mean, invstd: ``(C,)`` statistics the forward normalized with.
         weight: ``(C,)`` or ``None``.
-        sums: ``(2, C)`` fp32 ``[sum_dz | sum_dz_xhat]`` summed over the ranks that shared the
+        sums: ``(2, C)`` ``[sum_dz | sum_dz_xhat]`` summed over the ranks that shared the
             statistics (from :func:`batch_norm_backward_reduce` plus an all-reduce). ``None`` means
             the statistics were constants (eval): ``dx = dz * invstd * weight``.
-        count: ``(C,)`` fp64 global element count per channel (row 2 of the forward ``stats``);
-            required with ``sums``.
+        count: float64 tensor whose first element is the global element count per channel
+            (``stats[-1:]`` of the forward's summed ``stats``); required with ``sums``.
         bias, activation, negative_slope, residual, output: the fused epilogue of the forward, as
             for :func:`batch_norm_backward_reduce`.
         input_grad: compute ``dx`` (else return ``None``, e.g. to fill only the residual's gradient).
@@ -191,14 +222,8 @@ def batch_norm_backward_elemt(
         bias if bias is not None else invstd,
         sums if training else invstd,
         count if training else invstd,
-        layout.C,
-        layout.O1,
-        layout.O2,
-        layout.INNER,
-        layout.inner_tiles,
-        layout.tiles,
-        layout.tiles_per_prog,
-        *(s for strides in layout.strides for s in strides),
+        *layout.sizes(),
+        *(s for k in range(5) for s in layout.args(k)),
         float(negative_slope),
         TRAINING=training,
         HAS_WEIGHT=weight is not None,
@@ -207,8 +232,10 @@ def batch_norm_backward_elemt(
         AUX=aux_kind,
         WRITE_DX=dx is not None,
         WRITE_DR=out_grad_residual is not None,
+        ACC=acc_dtype(x),
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
+        VEC=layout.VEC,
         USE_INT64=layout.use_int64,
         num_warps=layout.num_warps,
     )

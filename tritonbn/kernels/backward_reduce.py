@@ -1,11 +1,16 @@
-"""Backward reduction: ``batch_norm_backward_reduce``.
+"""Backward reduction: ``batch_norm_backward_reduce``, one launch.
 
-Stage 1 runs on the same ``(channel blocks, reduction chunks)`` grid as the forward and writes
-per-program fp32 partials of ``sum(dz)`` and ``sum(dz * xhat)``, ``xhat = (x - mean) * invstd``,
-where ``dz = dy * act'(z)`` is the gradient before a fused activation (``dz = dy`` without one).
-Stage 2 sums them in a fixed order into the packed buffer ``[sum_dy | sum_dy_xhat]`` that is
-all-reduced across ranks, and into the *local* ``grad_bias = sum_dy`` and
-``grad_weight = sum_dy_xhat`` (DDP averages those, as with ``torch.nn.SyncBatchNorm``).
+The kernel runs on the same ``(channel blocks, reduction chunks)`` grid as the forward. Each program
+sums, per lane, ``dz`` and ``dz * (x - mean_hi)``, where ``dz = dy * act'(z)`` is the gradient before
+a fused activation (``dz = dy`` without one): two loads, one subtract, one add and one fused
+multiply-add per element. It merges its lanes and writes one partial per channel; the program that
+draws the last ticket (see :mod:`tritonbn.kernels._common`) adds the partials in a fixed order, in
+fp64, and writes the packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
+
+    sum_dz_xhat = (sum(dz * (x - mean_hi)) - mean_lo * sum_dz) * invstd,
+
+and the *local* ``grad_bias = sum_dz`` and ``grad_weight = sum_dz_xhat`` (DDP averages those, as
+with ``torch.nn.SyncBatchNorm``).
 """
 
 import torch
@@ -20,11 +25,14 @@ from tritonbn.kernels._common import (
     AUX_RESIDUAL,
     grad_z,
     split_mean,
-    tile_index,
+    take_ticket,
+    tile_mask,
+    tile_next,
     tile_offsets,
+    tile_start,
 )
-from tritonbn.kernels._layout import plan
-from tritonbn.kernels.stats import finalize_blocks
+from tritonbn.kernels._layout import plan, tickets
+from tritonbn.kernels.stats import acc_dtype
 
 
 @triton.jit
@@ -34,20 +42,24 @@ def _batch_norm_backward_reduce_kernel(
     x_ptr,  # (N, C, *S)
     aux_ptr,  # (N, C, *S) residual or output y (fused activation), or unused
     mean_ptr,  # (C,) fp64 saved mean
-    invstd_ptr,  # (C,) fp32 saved invstd
+    invstd_ptr,  # (C,) ACC saved invstd
     w_ptr,  # (C,) or unused
     b_ptr,  # (C,) or unused
-    part_ptr,  # (2, R, C) fp32 out: sum_dz, sum_dz_xhat of each program's chunk
+    part_ptr,  # (2, R, C) ACC: each program's sum_dz, sum_dz_xc
+    sums_ptr,  # (2, C) ACC out: [sum_dz | sum_dz_xhat]
+    gw_ptr,  # (C,) out: local grad_weight, or unused
+    gb_ptr,  # (C,) out: local grad_bias, or unused
+    ticket_ptr,  # (channel blocks,) int32, zero before and after
     # sizes
     C,
     O1,
     O2,
-    INNER,
+    INNER_V,
     inner_tiles,
     tiles,
     tiles_per_prog,
     R,
-    # strides of dy and x
+    # strides of dy, x and aux
     sdy_c,
     sdy_o0,
     sdy_o1,
@@ -67,87 +79,101 @@ def _batch_norm_backward_reduce_kernel(
     # meta-parameters
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_GW: tl.constexpr,
+    HAS_GB: tl.constexpr,
     ACTIVATION: tl.constexpr,
     AUX: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    VEC: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
-    """Per-program partial sums of dz and dz * xhat."""
+    """Per-lane sums of dz and dz * (x - mean_hi); the last program merges every chunk."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = cols < C
-    hi, lo = split_mean(tl.load(mean_ptr + cols, mask=c_mask, other=0.0))
-    invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0)
+    hi, lo = split_mean(tl.load(mean_ptr + cols, mask=c_mask, other=0.0), ACC)
+    invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     scale = invstd
     if HAS_WEIGHT:
-        scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=1.0).to(tl.float32)
-    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+        scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=1.0).to(ACC)
+    bias = tl.zeros([BLOCK_C], dtype=ACC)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
         cols = cols.to(tl.int64)
         lanes = lanes.to(tl.int64)
-    acc_dy = tl.zeros([BLOCK_C, BLOCK_I], dtype=tl.float32)
-    acc_dyx = tl.zeros([BLOCK_C, BLOCK_I], dtype=tl.float32)
+    READ_AUX: tl.constexpr = ACTIVATION != 0 and AUX != 0
+    acc_dz = tl.zeros([BLOCK_C, BLOCK_I], dtype=ACC)
+    acc_dzx = tl.zeros([BLOCK_C, BLOCK_I], dtype=ACC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
+    o, it = tile_start(t_start, inner_tiles, USE_INT64)
+    inner, mask = tile_mask(it, t_start < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+    # Masked lanes read dy = 0, so they add exactly 0 to both sums.
+    dy = tl.load(
+        dy_ptr + tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC), mask=mask, other=0.0
+    )
+    x = tl.load(
+        x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask, other=0.0
+    )
+    if READ_AUX:
+        aux = tl.load(
+            aux_ptr + tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC), mask=mask, other=0.0
+        )
     for t in range(t_start, t_end):
-        o0, o1, o2, i0 = tile_index(t, inner_tiles, O1, O2, BLOCK_I, USE_INT64)
-        inner = i0 + lanes
-        mask = c_mask[:, None] & (inner < INNER)[None, :]
-        dy_offs = tile_offsets(o0, o1, o2, cols, inner, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i)
-        x_offs = tile_offsets(o0, o1, o2, cols, inner, sx_c, sx_o0, sx_o1, sx_o2, sx_i)
-        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-        xc = tl.where(mask, (x - hi[:, None]) - lo[:, None], 0.0)
-        aux = dy
-        if ACTIVATION != 0 and AUX != 0:
-            aux_offs = tile_offsets(o0, o1, o2, cols, inner, sa_c, sa_o0, sa_o1, sa_o2, sa_i)
-            aux = tl.load(aux_ptr + aux_offs, mask=mask, other=0.0).to(tl.float32)
-        dz = tl.where(mask, grad_z(dy, xc, scale, bias, aux, slope, ACTIVATION, AUX), 0.0)
-        acc_dy += dz
-        acc_dyx += dz * xc
-    out = part_ptr + pid_r * C + cols
-    tl.store(out, tl.sum(acc_dy, axis=1), mask=c_mask)
-    tl.store(out + R * C, tl.sum(acc_dyx, axis=1) * invstd, mask=c_mask)
+        # Prefetch the next tile (masked off past the chunk), then use the current one.
+        o, it = tile_next(o, it, inner_tiles)
+        inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+        dy_offs = tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC)
+        x_offs = tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC)
+        dy_next = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0)
+        x_next = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+        if READ_AUX:
+            a_offs = tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC)
+            aux_next = tl.load(aux_ptr + a_offs, mask=mask, other=0.0)
+        xc = x.to(ACC) - hi[:, None]
+        dz = dy.to(ACC)
+        if ACTIVATION != 0:
+            if READ_AUX:
+                a = aux.to(ACC)
+                aux = aux_next
+            else:
+                a = dz
+            dz = grad_z(dz, xc - lo[:, None], scale, bias, a, slope, ACTIVATION, AUX)
+        acc_dz += dz
+        acc_dzx += dz * xc
+        dy = dy_next
+        x = x_next
 
-
-@triton.jit
-def _batch_norm_backward_finalize_kernel(
-    part_ptr,  # (2, R, C) fp32 partials
-    sums_ptr,  # (2, C) fp32 out: [sum_dy | sum_dy_xhat]
-    gw_ptr,  # (C,) out: local grad_weight, or unused
-    gb_ptr,  # (C,) out: local grad_bias, or unused
-    R,
-    C,
-    HAS_GW: tl.constexpr,
-    HAS_GB: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """Fixed-order sum of the partials; also writes the local weight and bias gradients."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = cols < C
-    rows = tl.arange(0, BLOCK_R)
-    s_dy = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    s_dyx = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + rows
-        mask = (r < R)[:, None] & c_mask[None, :]
-        offs = r[:, None] * C + cols[None, :]
-        s_dy += tl.load(part_ptr + offs, mask=mask, other=0.0)
-        s_dyx += tl.load(part_ptr + R * C + offs, mask=mask, other=0.0)
-    sum_dy = tl.sum(s_dy, axis=0)
-    sum_dyx = tl.sum(s_dyx, axis=0)
-    tl.store(sums_ptr + cols, sum_dy, mask=c_mask)
-    tl.store(sums_ptr + C + cols, sum_dyx, mask=c_mask)
-    if HAS_GW:
-        tl.store(gw_ptr + cols, sum_dyx.to(gw_ptr.dtype.element_ty), mask=c_mask)
-    if HAS_GB:
-        tl.store(gb_ptr + cols, sum_dy.to(gb_ptr.dtype.element_ty), mask=c_mask)
+    # This program's partials, its lanes merged.
+    part = part_ptr + pid_r * C + cols
+    tl.store(part, tl.sum(acc_dz, axis=1), mask=c_mask)
+    tl.store(part + R * C, tl.sum(acc_dzx, axis=1), mask=c_mask)
+    if take_ticket(ticket_ptr + pid_c) == R - 1:
+        # The last program of this channel block: merge the R partials in a fixed order, in fp64.
+        rows = tl.arange(0, BLOCK_R)
+        m_dz = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
+        m_dzx = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
+        for r0 in range(0, R, BLOCK_R):
+            r = r0 + rows
+            pmask = (r < R)[:, None] & c_mask[None, :]
+            poffs = r[:, None] * C + cols[None, :]
+            m_dz += tl.load(part_ptr + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
+            m_dzx += tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
+        sum_dz = tl.sum(m_dz, axis=0)
+        sum_dzx = (tl.sum(m_dzx, axis=0) - lo.to(tl.float64) * sum_dz) * invstd.to(tl.float64)
+        tl.store(sums_ptr + cols, sum_dz.to(sums_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(sums_ptr + C + cols, sum_dzx.to(sums_ptr.dtype.element_ty), mask=c_mask)
+        if HAS_GW:
+            tl.store(gw_ptr + cols, sum_dzx.to(gw_ptr.dtype.element_ty), mask=c_mask)
+        if HAS_GB:
+            tl.store(gb_ptr + cols, sum_dz.to(gb_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(ticket_ptr + pid_c, 0)  # ready for the next launch
 
 
 def aux_tensor(activation, residual, output, negative_slope) -> tuple[torch.Tensor | None, int]:
@@ -192,16 +218,18 @@ def batch_norm_backward_reduce(
             else from ``z = xhat * weight + bias (+ residual)`` recomputed from ``x``.
 
     Returns:
-        ``(sums, grad_weight, grad_bias)``: ``sums`` is ``(2, C)`` fp32 contiguous,
+        ``(sums, grad_weight, grad_bias)``: ``sums`` is ``(2, C)`` fp32 (fp64 for float64 ``x``) contiguous,
         ``[sum(dz) | sum(dz * xhat)]``, to be summed over ranks; ``grad_weight = sum(dz * xhat)``
         and ``grad_bias = sum(dz)`` are this rank's own, or ``None`` when not asked for.
     """
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
     C, R = layout.C, layout.r_progs
-    part = torch.empty((2, R, C), dtype=torch.float32, device=x.device)
-    sums = torch.empty((2, C), dtype=torch.float32, device=x.device)
-    gdtype = weight.dtype if weight is not None else torch.float32
+    acc = acc_dtype(x)
+    sdtype = torch.float64 if acc == tl.float64 else torch.float32
+    part = torch.empty((2, R, C), dtype=sdtype, device=x.device)
+    sums = torch.empty((2, C), dtype=sdtype, device=x.device)
+    gdtype = weight.dtype if weight is not None else x.dtype if x.dtype == torch.float64 else torch.float32
     grad_weight = torch.empty(C, dtype=gdtype, device=x.device) if weight_grad else None
     grad_bias = torch.empty(C, dtype=gdtype, device=x.device) if bias_grad else None
     _batch_norm_backward_reduce_kernel[layout.grid](
@@ -213,38 +241,28 @@ def batch_norm_backward_reduce(
         weight if weight is not None else invstd,
         bias if bias is not None else invstd,
         part,
-        C,
-        layout.O1,
-        layout.O2,
-        layout.INNER,
-        layout.inner_tiles,
-        layout.tiles,
-        layout.tiles_per_prog,
-        R,
-        *layout.strides[0],
-        *layout.strides[1],
-        *layout.strides[2],
-        float(negative_slope),
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATION_CODES[activation],
-        AUX=aux_kind,
-        BLOCK_C=layout.BLOCK_C,
-        BLOCK_I=layout.BLOCK_I,
-        USE_INT64=layout.use_int64,
-        num_warps=layout.num_warps,
-    )
-    block_r, block_c = finalize_blocks(R, C)
-    _batch_norm_backward_finalize_kernel[(triton.cdiv(C, block_c),)](
-        part,
         sums,
         grad_weight if grad_weight is not None else sums,
         grad_bias if grad_bias is not None else sums,
+        tickets(x.device, layout.c_blocks),
+        *layout.sizes(),
         R,
-        C,
+        *layout.args(0),
+        *layout.args(1),
+        *layout.args(2),
+        float(negative_slope),
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
         HAS_GW=grad_weight is not None,
         HAS_GB=grad_bias is not None,
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
+        ACTIVATION=ACTIVATION_CODES[activation],
+        AUX=aux_kind,
+        ACC=acc,
+        BLOCK_C=layout.BLOCK_C,
+        BLOCK_I=layout.BLOCK_I,
+        BLOCK_R=layout.BLOCK_R,
+        VEC=layout.VEC,
+        USE_INT64=layout.use_int64,
+        num_warps=layout.num_warps,
     )
     return sums, grad_weight, grad_bias

@@ -1,29 +1,41 @@
-"""Forward elementwise pass: ``batch_norm_elemt``.
+"""Forward elementwise pass: ``batch_norm_elemt``, one launch.
 
 One kernel normalizes ``x``. In training it derives each channel's mean and var from the packed
 global sums (see :mod:`tritonbn.kernels.stats`); in eval it reads the running statistics. With
 
-    scale = weight * invstd,   invstd = 1 / sqrt(var + eps)
+    scale = weight * invstd,   invstd = 1 / sqrt(var + eps),   shift = bias - mean_lo * scale
 
-it writes ``y = act(((x - mean_hi) - mean_lo) * scale + bias + residual)``, where
-``mean_hi + mean_lo`` is the fp64 mean split into two fp32 numbers, so that ``y`` keeps fp32
-precision when ``|mean| >> std``. The residual add and the activation (none, relu, leaky_relu,
-silu) are optional and fused: no extra pass over the tensor.
+it writes ``y = act((x - mean_hi) * scale + shift + residual)``, where ``mean_hi + mean_lo`` is the
+fp64 mean split into two fp32 numbers, so that ``y`` keeps fp32 precision when ``|mean| >> std``
+(float64 inputs compute in float64 throughout). The residual add and the activation (none, relu,
+leaky_relu, silu) are optional and fused: no extra pass over the tensor.
 
-The programs of the first reduction chunk also write the saved ``mean`` (fp64) and ``invstd``
-(fp32) for backward. In training with running statistics, program ``(0, 0)`` updates
-``running_mean``, ``running_var`` (unbiased, from the global count) and ``num_batches_tracked`` on
-the device: ``momentum=None`` means the cumulative factor ``1 / (num_batches_tracked + 1)``, read
-in-kernel, so nothing waits on the host. When the global count is 0 (every rank empty), the running
-statistics and ``num_batches_tracked`` stay as they are.
+The programs of the first reduction chunk write the saved ``mean`` (fp64) and ``invstd`` (fp32, or
+fp64 for float64 inputs) of their channels for backward, and, in training with running statistics,
+update ``running_mean`` and ``running_var`` (unbiased, from the global count) of those channels on
+the device. ``num_batches_tracked`` is read by each of them and incremented by the last to draw a
+ticket, so ``momentum=None`` (the cumulative factor ``1 / (num_batches_tracked + 1)``) needs neither
+the host nor a serial loop. When the global count is 0 (every rank empty), the running statistics
+and ``num_batches_tracked`` stay as they are.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from tritonbn.kernels._common import ACTIVATION_CODES, activate, channel_stats, split_mean, tile_index, tile_offsets
-from tritonbn.kernels._layout import plan
+from tritonbn.kernels._common import (
+    ACTIVATION_CODES,
+    activate,
+    channel_stats,
+    split_mean,
+    take_ticket,
+    tile_mask,
+    tile_next,
+    tile_offsets,
+    tile_start,
+)
+from tritonbn.kernels._layout import plan, tickets
+from tritonbn.kernels.stats import acc_dtype
 
 
 @triton.jit
@@ -34,21 +46,22 @@ def _batch_norm_elemt_kernel(
     r_ptr,  # (N, C, *S) residual, or unused
     w_ptr,  # (C,) or unused
     b_ptr,  # (C,) or unused
-    stats_ptr,  # (3, C) fp64 [sum_x | sum_x2 | count] (training)
+    stats_ptr,  # (2C + 1,) fp64 [sum_x | sum_x2 | count] (training)
     rmean_ptr,  # (C,) running mean (eval: read; training: updated in place)
     rvar_ptr,  # (C,) running var
     nbt_ptr,  # () int64 num_batches_tracked
+    ticket_ptr,  # (1,) int32 at zero: orders the num_batches_tracked update
     mean_ptr,  # (C,) fp64 out: saved mean
-    invstd_ptr,  # (C,) fp32 out: saved invstd
+    invstd_ptr,  # (C,) ACC out: saved invstd
     # sizes
     C,
     O1,
     O2,
-    INNER,
+    INNER_V,
     inner_tiles,
     tiles,
     tiles_per_prog,
-    # strides of x and y
+    # strides of x, y and the residual
     sx_c,
     sx_o0,
     sx_o1,
@@ -77,8 +90,10 @@ def _batch_norm_elemt_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    VEC: tl.constexpr,
     USE_INT64: tl.constexpr,
 ):
     """y = act((x - mean) * invstd * weight + bias + residual), plus saved stats and the running-stat update."""
@@ -86,46 +101,45 @@ def _batch_norm_elemt_kernel(
     pid_r = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = cols < C
-    mean64, var64, _ = channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING)
-    invstd = (1.0 / tl.sqrt(var64 + eps)).to(tl.float32)
+    mean64, var64, n_all = channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING)
+    invstd64 = 1.0 / tl.sqrt(var64 + eps)
+    invstd = invstd64.to(ACC)
     if pid_r == 0:
         tl.store(mean_ptr + cols, mean64, mask=c_mask)
         tl.store(invstd_ptr + cols, invstd, mask=c_mask)
-
-    if UPDATE_RUNNING:
-        if (pid_c == 0) & (pid_r == 0):
-            # One program updates every channel, so num_batches_tracked is read before it is written.
-            n_all = tl.load(stats_ptr + 2 * C)
-            c_end = tl.where(n_all > 0, C, 0)  # every rank empty: leave the running stats alone
+        if UPDATE_RUNNING:
+            # The programs of the first chunk update their own channels. The cumulative factor
+            # 1 / (num_batches_tracked + 1) needs the count from before this step: every such program
+            # reads it, then takes a ticket, and the last one increments it. A step in which every
+            # rank is empty leaves the running statistics alone.
             if HAS_NBT:
                 nbt = tl.load(nbt_ptr)
             if CUMULATIVE:
-                factor = 1.0 / (nbt + 1).to(tl.float32)
+                factor = 1.0 / (nbt + 1).to(tl.float64)
             else:
-                factor = momentum
-            for c0 in range(0, C, BLOCK_C):
-                cc = c0 + tl.arange(0, BLOCK_C)
-                cm = cc < c_end
-                m64, v64, n64 = channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cc, cm, C, TRAINING)
-                unbiased = (v64 * n64 / tl.maximum(n64 - 1.0, 1.0)).to(tl.float32)
-                rm = tl.load(rmean_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-                rv = tl.load(rvar_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-                rm = rm * (1.0 - factor) + m64.to(tl.float32) * factor
-                rv = rv * (1.0 - factor) + unbiased * factor
-                tl.store(rmean_ptr + cc, rm.to(rmean_ptr.dtype.element_ty), mask=cm)
-                tl.store(rvar_ptr + cc, rv.to(rvar_ptr.dtype.element_ty), mask=cm)
+                factor = tl.cast(momentum, tl.float64)
+            um = cols < tl.where(n_all > 0, C, 0)
+            unbiased = var64 * n_all / tl.maximum(n_all - 1.0, 1.0)
+            rm = tl.load(rmean_ptr + cols, mask=um, other=0.0).to(tl.float64)
+            rv = tl.load(rvar_ptr + cols, mask=um, other=0.0).to(tl.float64)
+            rm = rm * (1.0 - factor) + mean64 * factor
+            rv = rv * (1.0 - factor) + unbiased * factor
+            tl.store(rmean_ptr + cols, rm.to(rmean_ptr.dtype.element_ty), mask=um)
+            tl.store(rvar_ptr + cols, rv.to(rvar_ptr.dtype.element_ty), mask=um)
             if HAS_NBT:
-                tl.store(nbt_ptr, nbt + tl.where(n_all > 0, 1, 0).to(tl.int64))
+                if take_ticket(ticket_ptr) == tl.num_programs(0) - 1:
+                    tl.store(nbt_ptr, nbt + tl.where(n_all > 0, 1, 0).to(tl.int64))
+                    tl.store(ticket_ptr, 0)
 
-    hi, lo = split_mean(mean64)
+    # y = (x - hi) * scale + shift, shift = bias - lo * scale: fp32 precision when |mean| >> std.
+    hi, lo = split_mean(mean64, ACC)
     if HAS_WEIGHT:
-        scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=1.0).to(tl.float32)
+        scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=1.0).to(ACC)
     else:
         scale = invstd
+    shift = -lo * scale
     if HAS_BIAS:
-        bias = tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+        shift += tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(ACC)
 
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
@@ -133,19 +147,28 @@ def _batch_norm_elemt_kernel(
         lanes = lanes.to(tl.int64)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
+    o, it = tile_start(t_start, inner_tiles, USE_INT64)
+    inner, mask = tile_mask(it, t_start < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+    x = tl.load(x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask)
+    if HAS_RESIDUAL:
+        res = tl.load(r_ptr + tile_offsets(o, cols, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, VEC), mask=mask)
     for t in range(t_start, t_end):
-        o0, o1, o2, i0 = tile_index(t, inner_tiles, O1, O2, BLOCK_I, USE_INT64)
-        inner = i0 + lanes
-        mask = c_mask[:, None] & (inner < INNER)[None, :]
-        x = tl.load(x_ptr + tile_offsets(o0, o1, o2, cols, inner, sx_c, sx_o0, sx_o1, sx_o2, sx_i), mask=mask)
-        x = x.to(tl.float32)
-        y = ((x - hi[:, None]) - lo[:, None]) * scale[:, None] + bias[:, None]
+        y_offs = tile_offsets(o, cols, inner, O1, O2, sy_c, sy_o0, sy_o1, sy_o2, sy_i, VEC)
+        y_mask = mask
+        # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
+        o, it = tile_next(o, it, inner_tiles)
+        inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+        x_next = tl.load(x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask)
         if HAS_RESIDUAL:
-            r_offs = tile_offsets(o0, o1, o2, cols, inner, sr_c, sr_o0, sr_o1, sr_o2, sr_i)
-            y += tl.load(r_ptr + r_offs, mask=mask).to(tl.float32)
+            r_offs = tile_offsets(o, cols, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, VEC)
+            res_next = tl.load(r_ptr + r_offs, mask=mask)
+        y = (x.to(ACC) - hi[:, None]) * scale[:, None] + shift[:, None]
+        if HAS_RESIDUAL:
+            y += res.to(ACC)
+            res = res_next
         y = activate(y, slope, ACTIVATION)
-        y_offs = tile_offsets(o0, o1, o2, cols, inner, sy_c, sy_o0, sy_o1, sy_o2, sy_i)
-        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
+        x = x_next
 
 
 def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
@@ -171,9 +194,9 @@ def batch_norm_elemt(
     """Normalize ``x``, then add ``residual`` and apply ``activation``; in training, also update the running stats.
 
     Args:
-        x: ``(N, C, *S)`` input, fp32/fp16/bf16, any strides.
+        x: ``(N, C, *S)`` input, fp32/fp16/bf16/fp64, any strides.
         weight, bias: ``(C,)`` affine parameters, or ``None``.
-        stats: the packed global sums ``(3, C)`` fp64 from :func:`batch_norm_stats` (summed over
+        stats: the packed global sums ``(2C + 1,)`` fp64 from :func:`batch_norm_stats` (summed over
             ranks). Given: training mode, normalize with the batch statistics. ``None``: eval mode,
             normalize with ``running_mean`` / ``running_var``, which are then required.
         running_mean, running_var: ``(C,)`` buffers. In training they are updated in place
@@ -188,7 +211,7 @@ def batch_norm_elemt(
 
     Returns:
         ``(y, mean, invstd)``: ``y`` like ``x`` (same dtype and memory format), ``mean`` ``(C,)``
-        fp64 and ``invstd`` ``(C,)`` fp32, the statistics ``y`` was normalized with.
+        fp64 and ``invstd`` ``(C,)`` fp32 (fp64 for float64 ``x``), the statistics ``y`` was normalized with.
     """
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
@@ -198,9 +221,11 @@ def batch_norm_elemt(
     y = empty_like_layout(x)
     layout = plan(x.shape, x, y, residual if residual is not None else x)
     C = layout.C
+    acc = acc_dtype(x)
     mean = torch.empty(C, dtype=torch.float64, device=x.device)
-    invstd = torch.empty(C, dtype=torch.float32, device=x.device)
+    invstd = torch.empty(C, dtype=torch.float64 if acc == tl.float64 else torch.float32, device=x.device)
     update = training and running_mean is not None
+    has_nbt = update and num_batches_tracked is not None
     dummy = mean
     _batch_norm_elemt_kernel[layout.grid](
         x,
@@ -212,31 +237,28 @@ def batch_norm_elemt(
         running_mean if running_mean is not None else dummy,
         running_var if running_var is not None else dummy,
         num_batches_tracked if num_batches_tracked is not None else dummy,
+        tickets(x.device, 1) if has_nbt else dummy,
         mean,
         invstd,
-        C,
-        layout.O1,
-        layout.O2,
-        layout.INNER,
-        layout.inner_tiles,
-        layout.tiles,
-        layout.tiles_per_prog,
-        *layout.strides[0],
-        *layout.strides[1],
-        *layout.strides[2],
+        *layout.sizes(),
+        *layout.args(0),
+        *layout.args(1),
+        *layout.args(2),
         0.0 if momentum is None else float(momentum),
         float(eps),
         float(negative_slope),
         TRAINING=training,
         UPDATE_RUNNING=update,
         CUMULATIVE=update and momentum is None,
-        HAS_NBT=update and num_batches_tracked is not None,
+        HAS_NBT=has_nbt,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         ACTIVATION=ACTIVATION_CODES[activation],
+        ACC=acc,
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
+        VEC=layout.VEC,
         USE_INT64=layout.use_int64,
         num_warps=layout.num_warps,
     )
