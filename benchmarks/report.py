@@ -1,6 +1,6 @@
 """Turn pytest-benchmark JSON into DIR/RESULTS.md, DIR/results.csv and plots drawn from that CSV.
 
-    python benchmarks/report.py results.json --out DIR
+    python benchmarks/report.py results.json [more.json ...] --out DIR
 
 The plots (time and GB/s against activation size, one line per provider) need matplotlib, the
 ``plot`` extra; without it the table is still written.
@@ -188,11 +188,11 @@ def plot(csv_path: str, out_dir: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json", help="pytest-benchmark JSON (pytest benchmarks --benchmark-json FILE)")
+    parser.add_argument("json", nargs="+", help="pytest-benchmark JSON files (pytest benchmarks --benchmark-json FILE)")
     parser.add_argument("--out", required=True, help="directory for RESULTS.md, results.csv and the plots")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    rows = load_rows(args.json)
+    rows = [row for path in args.json for row in load_rows(path)]
     csv_path = os.path.join(args.out, "results.csv")
     write_csv(rows, csv_path)
     plots = plot(csv_path, args.out)

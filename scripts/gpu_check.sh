@@ -1,26 +1,80 @@
 #!/usr/bin/env bash
-# The GPU check, for one CUDA GPU, in a few minutes:
-#   1. the test suite with the compiled kernels (no interpreter), CUDA as the default device;
-#      tests/test_gpu.py runs tests/gpu_checks.py in it: a training step captured in a CUDA graph and
-#      replayed, forward and backward under torch.cuda.set_sync_debug_mode("error"), and the tensor
-#      past 2^31 elements;
-#   2. the benchmarks at full sizes, and their report (RESULTS.md, results.csv, plots) in OUTDIR.
-# Usage: scripts/gpu_check.sh OUTDIR, with tritonbn and its `test` and `plot` extras importable by
-# $PYTHON (default: python). Copy OUTDIR/RESULTS.md and the plots to benchmarks/ to publish them.
-set -euo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR}
+# The GPU check, for one CUDA GPU, within about 8 minutes (sized for an H200 with torch 2.11 and
+# Triton 3.6 and no package registry). Stages run in order of value; each writes its results to
+# OUTDIR before the next starts, and a stage that fails is recorded in OUTDIR/stages.txt while the
+# next one still runs:
+#   1. correctness with the compiled kernels (<= 150 s): tests/gpu_checks.py (a training step
+#      captured in a CUDA graph and replayed against eager, an empty batch in a graph, forward and
+#      backward under torch.cuda.set_sync_debug_mode("error")), then the oracle tests of
+#      tests/test_batchnorm.py and tests/test_epilogue.py (shapes, both layouts, fp32/fp16/bf16,
+#      determinism, |mean|/std = 1e3) on the Triton backend, CUDA as the default device;
+#   2. the headline (<= 240 s): benchmarks/headline.py, ResNet-50 channels_last bf16 forward+backward
+#      per BatchNorm shape and summed over the model, tritonbn against torch.nn.SyncBatchNorm's sync
+#      path and cuDNN, then a whole ResNet-50 training step, eager and torch.compile;
+#   3. the rest of the benchmark matrix, subset by subset, while time is left; then the report.
+# Usage: scripts/gpu_check.sh OUTDIR [TOTAL_SECONDS (default 470)]. Python: $PYTHON (default python3).
+# Packages beyond torch and triton: wheels in .whl/ are installed into a temporary folder first, if
+# there are any; pytest-benchmark and matplotlib are optional (stage 3 and the plots are skipped).
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [TOTAL_SECONDS]}
+total=${2:-470}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
-python=${PYTHON:-python}
-export TRITONBN_TEST_DEVICE=cuda
+python=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITONBN_TEST_DEVICE=cuda
 unset TRITON_INTERPRET
-"$python" - <<'PY' | tee "$out/env.txt"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tritonbn-site \
+        .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/tritonbn-site"
+fi
+: >"$out/stages.txt"
+left() { echo $((total - SECONDS)); }
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, record its status
+    local name=$1 limit=$2
+    shift 2
+    if ((limit > $(left))); then limit=$(left); fi
+    if ((limit < 10)); then
+        echo "$name: skipped, time budget spent" | tee -a "$out/stages.txt"
+        return
+    fi
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@"
+    local rc=$?
+    echo "$name: exit $rc$([ $rc = 124 ] && echo ' (timed out)') in $((SECONDS - t0)) s" | tee -a "$out/stages.txt"
+}
+has() { "$python" -c "import $1" 2>/dev/null; }
+
+"$python" - <<'PY' 2>&1 | tee "$out/env.txt"
 import torch, triton
 assert torch.cuda.is_available(), "no CUDA device"
 print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
 PY
-"$python" -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.txt"
-"$python" -m pytest -q -p no:cacheprovider benchmarks --benchmark-json "$out/bench.json" \
-    --benchmark-columns=median 2>&1 | tail -n 5 | tee "$out/bench.txt"
-"$python" benchmarks/report.py "$out/bench.json" --out "$out"
+
+# 1. Correctness with the compiled kernels.
+stage gpu_checks 60 "$python" tests/gpu_checks.py 2>&1 | tee "$out/gpu_checks.txt"
+stage oracle_tests 90 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -k "triton" \
+    tests/test_batchnorm.py tests/test_epilogue.py 2>&1 | tee "$out/oracle_tests.txt"
+
+# 2. The headline table and the training step.
+stage headline 240 "$python" benchmarks/headline.py --out "$out" --budget-s 200 2>&1 | tee "$out/headline.txt"
+
+# 3. The rest of the matrix, most valuable subsets first, each into its own JSON.
+if has pytest_benchmark; then
+    n=0
+    for subset in "resnet50 and channels_last and bf16" "epilogue" "sweep" "resnet50 and contiguous and bf16" \
+        "resnet50 and fp16" "resnet50 and fp32"; do
+        n=$((n + 1))
+        stage "bench[$subset]" 600 "$python" -m pytest -q -p no:cacheprovider benchmarks/test_bench_batchnorm.py \
+            -k "$subset" --benchmark-json "$out/bench-$n.json" --benchmark-columns=median 2>&1 |
+            tail -n 3 | tee -a "$out/bench.txt"
+    done
+    jsons=$(ls "$out"/bench-*.json 2>/dev/null)
+    if [ -n "$jsons" ]; then
+        # shellcheck disable=SC2086
+        "$python" benchmarks/report.py $jsons --out "$out" 2>&1 | tee -a "$out/stages.txt"
+    fi
+else
+    echo "benchmark matrix: skipped, pytest-benchmark is not installed" | tee -a "$out/stages.txt"
+fi
+echo "gpu_check: done in $SECONDS s; results in $out" | tee -a "$out/stages.txt"

@@ -1,0 +1,695 @@
+"""Kernel audit: the sm_90 code of every kernel launch tritonbn makes for ResNet-50, read without a GPU.
+
+    python benchmarks/kernel_audit.py --out DIR [--quick] [--results benchmarks/RESULTS.md]
+    python benchmarks/kernel_audit.py --self-check     # the round-trip counter on two toy kernels
+
+**Launches.** ``tritonbn.SyncBatchNorm`` runs its real module path on CPU tensors of each shape
+(training forward, its backward, eval forward) inside ``planned_as("cuda", 132)``, so every launch
+is planned as on an H100/H200. ``JITFunction.run`` is replaced by a recorder: it binds the arguments
+with Triton's own generated binder for a CUDA sm_90 backend (``create_function_from_signature``, the
+code a real launch runs), so pointer and integer alignment (divisibility by 16) and integers equal to
+1 are specialized exactly as a launch would, and records kernel, grid, signature, constexprs,
+attributes and options. Nothing is launched. Kernels are found from the launches, not listed here.
+
+**Compile.** ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+options=...)`` with the launch's own options (num_warps and the rest), once per distinct
+specialization, in a fresh Triton cache so that Triton's own ptxas run and its log (registers,
+stack, spills) are what is read. The cubin is disassembled with the bundled ``nvdisasm``.
+
+**Per row** (one per launch of each pass): registers, spill bytes (ptxas's spill stores + loads),
+stack, shared memory, ``max_warps_per_sm`` (sm_90: 64K registers, 2048 threads, 228 KB shared
+memory with 1 KB reserved per block, 32 blocks per SM; registers allocated per warp in units of 256),
+and for the **main loop**:
+
+* the main loop: among the innermost SASS loops (a backward branch to its target), the one whose
+  instructions come from a ``for`` loop at the top level of the kernel's body (line info), with the
+  most global loads; without line info, the innermost loop with the most global loads;
+* ``load_vector_bits`` / ``store_vector_bits``: the widest global load / store in it (``LDG.E.128``
+  is 128, ``LDG.E.64`` 64, ``LDG.E`` 32, ``LDG.E.U16`` 16);
+* ``round_trips_per_iteration``: dependent global-load chains, read from the scoreboards. Each
+  Volta+ instruction carries control bits in the top of its 128-bit encoding (bits 105-108 stall,
+  109 yield, 110-112 write scoreboard, 113-115 read scoreboard, 116-121 wait mask, 122-125 reuse).
+  A global load sets a write scoreboard; an instruction that waits on a scoreboard set by a global
+  load issued earlier in the same iteration, followed later in the iteration by another global
+  load, ends a round trip (consecutive waits before that next load end one). Round trips = 1 + the
+  number of such ends (0 without loads);
+* ``sass_per_element``: instructions in the loop body / elements per thread per iteration, the
+  tile (``BLOCK_C * BLOCK_I``, else the product of the ``BLOCK_*`` constexprs) over num_warps * 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import datetime
+import inspect
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import warnings
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("kernel_audit: unset TRITON_INTERPRET: the audit compiles the kernels")
+# A fresh Triton cache: every specialization is compiled here, so ptxas's own log is read.
+_CACHE = tempfile.TemporaryDirectory(prefix="tritonbn-audit-")
+os.environ["TRITON_CACHE_DIR"] = _CACHE.name
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from resnet50 import distinct_bn_shapes  # noqa: E402
+
+# sm_90 (H100/H200) limits per SM.
+SM90 = {"regs": 65536, "reg_unit": 256, "warps": 64, "smem": 228 * 1024, "smem_per_block": 1024, "blocks": 32}
+MODES = ("train_forward", "backward", "eval_forward")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAYOUTS = ("contiguous", "channels_last")
+QUICK_SHAPES = [(32, 256, 14, 14), (32, 2048, 7, 7)]  # 14^2 and 7^2: the NCHW alignment cases
+MAX_REGISTERS = 128
+GLOBAL_LOADS = ("LDG", "LD", "LDGSTS", "UTMALDG")
+GLOBAL_STORES = ("STG", "ST")
+
+
+def _tool(name: str) -> str:
+    """Path of a CUDA binary bundled with triton (``nvdisasm``)."""
+    return getattr(knobs.nvidia, name).path
+
+
+def tools_missing() -> str | None:
+    """Why the audit cannot run here, or None."""
+    try:
+        path = _tool("nvdisasm")
+    except Exception as e:  # noqa: BLE001 - any failure to locate it
+        return f"nvdisasm not found ({e})"
+    if not path or not os.path.exists(path):
+        return f"nvdisasm not found at {path!r}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch capture
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Launch:
+    fn: JITFunction
+    grid: tuple[int, ...]
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+
+    @property
+    def name(self) -> str:
+        return self.fn.fn.__name__
+
+    def named_constexprs(self) -> dict:
+        names = self.fn.arg_names
+        return {names[path[0]]: value for path, value in self.constexprs.items() if len(path) == 1}
+
+    def key(self) -> str:
+        attrs = sorted((k, repr(v)) for k, v in self.attrs.items())
+        options = sorted((k, repr(v)) for k, v in self.options.items())
+        return repr((self.fn.fn.__module__, self.name, sorted(self.signature.items()), sorted(self.constexprs.items()),
+                     attrs, options))  # fmt: skip
+
+
+@contextlib.contextmanager
+def captured_launches(target: GPUTarget):
+    """Record every Triton launch instead of running it, specialized for ``target`` as a launch would be."""
+    backend = make_backend(target)
+    binders: dict[int, object] = {}
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
+        for option in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # what run() adds in Triton 3.9
+            if hasattr(knobs.compilation, option):
+                kwargs[option] = getattr(knobs.compilation, option)
+        binder = binders.get(id(self))
+        if binder is None:
+            binder = binders[id(self)] = create_function_from_signature(self.signature, self.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
+        if callable(grid):
+            grid = grid(bound_args)
+        launches.append(Launch(self, tuple(int(g) for g in grid), signature, constexprs, attrs, dict(options.__dict__)))
+        return None
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+@contextlib.contextmanager
+def triton_backend_on_cpu():
+    """Make tritonbn choose its Triton kernels for CPU tensors (they are recorded, never run)."""
+    from tritonbn import backend
+
+    original = backend._triton_unusable
+    backend._triton_unusable = lambda x: None if backend._load_kernels() is not None else backend._kernels_error
+    try:
+        yield
+    finally:
+        backend._triton_unusable = original
+
+
+def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget):
+    """``{mode: [Launch]}`` of one ``tritonbn.SyncBatchNorm`` layer: training forward, backward, eval forward."""
+    import tritonbn
+    from tritonbn.kernels._layout import planned_as
+
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    out = {}
+    with triton_backend_on_cpu(), planned_as("cuda", 132), captured_launches(target) as launches:
+        bn = tritonbn.SyncBatchNorm(shape[1])  # fp32 parameters, as under autocast
+        x = torch.empty(shape, dtype=dtype, memory_format=memory_format).requires_grad_()
+        y = bn(x)
+        out["train_forward"], launches[:] = list(launches), []
+        y.backward(torch.empty_like(y))
+        out["backward"], launches[:] = list(launches), []
+        bn.eval()
+        with torch.no_grad():
+            bn(x)
+        out["eval_forward"], launches[:] = list(launches), []
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile and read the SASS
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Insn:
+    addr: int
+    text: str  # without the predicate
+    opcode: str  # e.g. LDG.E.128
+    lo: int
+    hi: int
+    line: int | None  # line in the kernel's own source file (outermost inlined-at location)
+    target: str | None = None  # branch target label
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+    @property
+    def write_sb(self) -> int:
+        return (self.hi >> 46) & 7  # 7: none
+
+    @property
+    def wait_mask(self) -> int:
+        return (self.hi >> 52) & 0x3F
+
+    def waits(self) -> set[int]:
+        out = {b for b in range(6) if self.wait_mask >> b & 1}
+        m = re.match(r"DEPBAR(?:\.LE)?\s+SB(\d)", self.text)
+        if m:
+            out.add(int(m.group(1)))
+        return out
+
+    def is_load(self) -> bool:
+        return self.base in GLOBAL_LOADS
+
+    def is_store(self) -> bool:
+        return self.base in GLOBAL_STORES
+
+    def width_bits(self) -> int:
+        mods = self.opcode.split(".")[1:]
+        for bits in ("128", "64"):
+            if bits in mods:
+                return int(bits)
+        if "U16" in mods or "S16" in mods:
+            return 16
+        if "U8" in mods or "S8" in mods:
+            return 8
+        return 32
+
+
+_LINE = re.compile(r'"([^"]+)", line (\d+)')
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*\s*0x([0-9a-f]{16})\s*\*/")
+_HI = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def disassemble(cubin: bytes, source_file: str | None = None) -> tuple[list[Insn], dict[str, int]]:
+    """Instructions with encodings and kernel-source lines, and the address of each label."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        text = subprocess.run(
+            [_tool("nvdisasm"), "-c", "-gi", "-hex", path], check=True, capture_output=True, text=True
+        ).stdout
+    finally:
+        os.unlink(path)
+    insns: list[Insn] = []
+    labels: dict[str, int] = {}
+    pending_labels: list[str] = []
+    line = None
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        raw = lines[i]
+        i += 1
+        if raw.lstrip().startswith("//##"):
+            locs = _LINE.findall(raw)
+            line = None
+            if locs and source_file is not None:
+                f, n = locs[-1]  # the outermost inlined-at location is in the kernel's own body
+                line = int(n) if os.path.realpath(f) == os.path.realpath(source_file) else None
+            continue
+        m = _LABEL.match(raw.strip())
+        if m:
+            pending_labels.append(m.group(1))
+            continue
+        m = _INSN.search(raw)
+        if not m:
+            continue
+        hi_m = _HI.match(lines[i]) if i < len(lines) else None
+        if not hi_m:
+            raise ValueError(f"kernel_audit: no second encoding word after {raw!r}")
+        i += 1
+        addr = int(m.group(1), 16)
+        body = re.sub(r"^@!?U?P[T\d]+\s+", "", m.group(2).strip())
+        opcode = body.split()[0] if body else ""
+        target = None
+        t = re.search(r"`\((\.L_x_\d+)\)", body)
+        if t:
+            target = t.group(1)
+        for lab in pending_labels:
+            labels[lab] = addr
+        pending_labels = []
+        insns.append(Insn(addr, body, opcode, int(m.group(3), 16), int(hi_m.group(1), 16), line, target))
+    return insns, labels
+
+
+def sass_loops(insns: list[Insn], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """``(first, last)`` instruction indices of each loop: a branch back to an earlier address."""
+    index = {ins.addr: k for k, ins in enumerate(insns)}
+    loops = []
+    for k, ins in enumerate(insns):
+        if ins.base in ("BRA", "JMP") and ins.target in labels:
+            dest = labels[ins.target]
+            if dest < ins.addr and dest in index:  # a branch to itself is the trap after EXIT
+                loops.append((index[dest], k))
+    return loops
+
+
+def top_level_for_lines(fn: JITFunction) -> list[range]:
+    """Source line ranges of the ``for`` loops directly in the kernel's body (not nested in an ``if``)."""
+    try:
+        src_lines, start = inspect.getsourcelines(fn.fn)
+    except (OSError, TypeError):
+        return []
+    tree = ast.parse(textwrap.dedent("".join(src_lines)))
+    func = next((n for n in tree.body if isinstance(n, ast.FunctionDef)), None)
+    if func is None:
+        return []
+    return [
+        range(start + node.lineno - 1, start + node.end_lineno)
+        for node in func.body
+        if isinstance(node, (ast.For, ast.While))
+    ]
+
+
+def main_loop(insns: list[Insn], loops: list[tuple[int, int]], fn: JITFunction | None) -> tuple[int, int] | None:
+    innermost = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    if not innermost:
+        return None
+
+    def loads(lp):
+        return sum(insns[k].is_load() for k in range(lp[0], lp[1] + 1))
+
+    candidates = innermost
+    spans = top_level_for_lines(fn) if fn is not None else []
+    if spans:
+
+        def in_top_level_for(lp):
+            lines = [insns[k].line for k in range(lp[0], lp[1] + 1) if insns[k].line is not None]
+            inside = sum(any(n in s for s in spans) for n in lines)
+            return lines and inside * 2 > len(lines)
+
+        candidates = [lp for lp in innermost if in_top_level_for(lp)] or innermost
+    return max(candidates, key=lambda lp: (loads(lp), lp[1] - lp[0]))
+
+
+def round_trips(body: list[Insn]) -> int:
+    """Dependent global-load chains in one pass over a loop body (see the module docstring)."""
+    pending: set[int] = set()
+    trips = 0
+    waited = False
+    for ins in body:
+        hit = ins.waits() & pending
+        if hit:
+            waited = True
+            pending -= hit
+        if ins.is_load():
+            if trips == 0:
+                trips = 1
+            elif waited:
+                trips += 1
+            waited = False
+            if ins.write_sb != 7:
+                pending.add(ins.write_sb)
+    return trips
+
+
+def loop_metrics(insns: list[Insn], loop: tuple[int, int] | None, elements_per_thread: float) -> dict:
+    if loop is None:
+        return {"main_loop": None, "loop_instructions": None, "loop_global_loads": None, "loop_global_stores": None,
+                "load_vector_bits": None, "store_vector_bits": None, "round_trips_per_iteration": None,
+                "sass_per_element": None}  # fmt: skip
+    body = [ins for ins in insns[loop[0] : loop[1] + 1] if ins.base != "NOP"]
+    loads = [ins for ins in body if ins.is_load()]
+    stores = [ins for ins in body if ins.is_store()]
+    return {
+        "main_loop": f"{insns[loop[0]].addr:#06x}-{insns[loop[1]].addr:#06x}",
+        "loop_instructions": len(body),
+        "loop_global_loads": len(loads),
+        "loop_global_stores": len(stores),
+        "load_vector_bits": max((ins.width_bits() for ins in loads), default=None),
+        "store_vector_bits": max((ins.width_bits() for ins in stores), default=None),
+        "round_trips_per_iteration": round_trips(body),
+        "sass_per_element": round(len(body) / elements_per_thread, 2) if elements_per_thread else None,
+    }
+
+
+def max_warps_per_sm(registers: int, num_warps: int, shared: int) -> tuple[int, str]:
+    """Resident warps per SM on sm_90 and what limits them."""
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / SM90["reg_unit"]) * SM90["reg_unit"]
+    limits = {
+        "registers": (SM90["regs"] // regs_per_warp) // num_warps,
+        "threads": SM90["warps"] // num_warps,
+        "shared memory": SM90["smem"] // (shared + SM90["smem_per_block"]),
+        "blocks": SM90["blocks"],
+    }
+    limiter = min(limits, key=limits.get)
+    return limits[limiter] * num_warps, limiter
+
+
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def tile_elements(constexprs: dict) -> int:
+    if "BLOCK_C" in constexprs and "BLOCK_I" in constexprs:
+        return int(constexprs["BLOCK_C"]) * int(constexprs["BLOCK_I"])
+    blocks = [int(v) for k, v in constexprs.items() if k.startswith("BLOCK")]
+    return math.prod(blocks) if blocks else 1
+
+
+def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, target) -> dict:
+    """Compile one specialization for ``target`` and read registers, spills, shared memory and the main loop."""
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+    finally:
+        knobs.nvidia.dump_ptxas_log = False
+    text = log.getvalue()
+    ptxas = {k: int(m.group(1)) if (m := r.search(text)) else None for k, r in _PTXAS.items()}
+    if ptxas["registers"] is None:
+        raise RuntimeError(f"kernel_audit: no ptxas log for {fn.fn.__name__} (was it compiled from a cache?)")
+    source_file = inspect.getsourcefile(fn.fn)
+    insns, labels = disassemble(kernel.asm["cubin"], source_file)
+    names = fn.arg_names
+    named = {names[p[0]]: v for p, v in constexprs.items() if len(p) == 1}
+    num_warps = int(options["num_warps"])
+    per_thread = tile_elements(named) / (num_warps * 32)
+    shared = int(kernel.metadata.shared)
+    warps, limiter = max_warps_per_sm(ptxas["registers"], num_warps, shared)
+    spill_stores, spill_loads = ptxas["spill_stores"] or 0, ptxas["spill_loads"] or 0
+    return {
+        "registers": ptxas["registers"],
+        "spill_bytes": spill_stores + spill_loads,
+        "spill_store_bytes": spill_stores,
+        "spill_load_bytes": spill_loads,
+        "stack_bytes": ptxas["stack"] or 0,
+        "shared_bytes": shared,
+        "max_warps_per_sm": warps,
+        "occupancy_limit": limiter,
+        "elements_per_thread": per_thread,
+        **loop_metrics(insns, main_loop(insns, sass_loops(insns, labels), fn), per_thread),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The audit
+# ----------------------------------------------------------------------------------------------
+
+
+def audit(shapes, dtypes, layouts, target, log=print) -> tuple[list[dict], int]:
+    """Rows for every launch of every pass, and the number of distinct compilations."""
+    cache: dict[str, dict] = {}
+    rows = []
+    for shape in shapes:
+        for dtype_name in dtypes:
+            for layout in layouts:
+                passes = module_passes(shape, DTYPES[dtype_name], layout, target)
+                for mode in MODES:
+                    launches = passes[mode]
+                    for k, launch in enumerate(launches):
+                        key = launch.key()
+                        if key not in cache:
+                            cache[key] = compile_and_read(
+                                launch.fn, launch.signature, launch.constexprs, launch.attrs, launch.options, target
+                            )
+                        named = launch.named_constexprs()
+                        rows.append({
+                            "kernel": launch.name,
+                            "shape": "x".join(map(str, shape)),
+                            "dtype": dtype_name,
+                            "layout": layout,
+                            "mode": mode,
+                            "launch": f"{k + 1}/{len(launches)}",
+                            "grid": list(launch.grid),
+                            "num_warps": int(launch.options["num_warps"]),
+                            "blocks": {n: int(v) for n, v in named.items() if n.startswith("BLOCK")},
+                            "constexprs": {n: v for n, v in named.items() if not n.startswith("BLOCK")},
+                            **cache[key],
+                        })  # fmt: skip
+                n = sum(len(v) for v in passes.values())
+                log(f"  {'x'.join(map(str, shape))} {dtype_name} {layout}: {n} launches, {len(cache)} compilations")
+    return rows, len(cache)
+
+
+def _fmt(v, spec="") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    head = (
+        "| mode | launch | kernel | layout | dtype | shape | grid | warps | tile | regs | spill B | warps/SM "
+        "| ld bits | st bits | round trips | SASS/elem |"
+    )
+    lines = [
+        "## Kernel audit (sm_90, compiled without a GPU)",
+        "",
+        f"Generated {meta['date']} by `python benchmarks/kernel_audit.py{' --quick' if meta['quick'] else ''}`, "
+        f"triton {meta['triton']}, torch {meta['torch']}, target {meta['target']}; "
+        f"{meta['rows']} launches, {meta['compilations']} distinct compilations. Launches come from the module "
+        "path planned as on a 132-SM GPU; the main-loop columns read the SASS (see the script's docstring). "
+        "`-`: the kernel has no loop.",
+        "",
+        *summary(rows),
+        "",
+        "<details><summary>Every launch</summary>",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    order = {m: k for k, m in enumerate(MODES)}
+    for r in sorted(rows, key=lambda r: (order[r["mode"]], r["launch"], r["layout"], r["dtype"], r["shape"])):
+        tile = "x".join(str(v) for v in r["blocks"].values())
+        lines.append(
+            f"| {r['mode']} | {r['launch']} | {r['kernel']} | {r['layout']} | {r['dtype']} | {r['shape']} "
+            f"| {'x'.join(map(str, r['grid']))} | {r['num_warps']} | {tile} | {r['registers']} | {r['spill_bytes']} "
+            f"| {r['max_warps_per_sm']} | {_fmt(r['load_vector_bits'])} | {_fmt(r['store_vector_bits'])} "
+            f"| {_fmt(r['round_trips_per_iteration'])} | {_fmt(r['sass_per_element'])} |"
+        )
+    lines += ["", "</details>", ""]
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> list[str]:
+    out = ["### Summary", ""]
+    worst = max(rows, key=lambda r: r["registers"])
+    over = [r for r in rows if r["registers"] > MAX_REGISTERS]
+    where = f", in {', '.join(sorted({r['kernel'] for r in over}))}" if over else ""
+    out.append(
+        f"- **Worst registers**: {worst['registers']} ({worst['kernel']}, {worst['layout']} {worst['dtype']} "
+        f"{worst['shape']}); launches over {MAX_REGISTERS}: {len(over)}{where}."
+    )
+    spills = [r for r in rows if r["spill_bytes"]]
+    if spills:
+        kinds = sorted({(r["kernel"], r["spill_bytes"], r["stack_bytes"]) for r in spills})
+        text = "; ".join(f"{k}: {s} B spill traffic, {st} B stack" for k, s, st in kinds)
+        out.append(f"- **Spills**: {len(spills)} launches spill ({text}).")
+    else:
+        out.append("- **Spills**: none.")
+    launches = {}
+    for r in rows:
+        launches.setdefault(r["mode"], set()).add(int(r["launch"].split("/")[1]))
+    out.append("- **Launches per pass**: " + ", ".join(f"{m} {'/'.join(map(str, sorted(launches[m])))}"
+                                                          for m in MODES if m in launches) + ".")  # fmt: skip
+    out += ["", "| kernel | layout | dtype | regs (max) | spill B (max) | warps/SM (min) | ld bits (min-max) "
+                "| st bits (min-max) | round trips (max) | SASS/elem (min-max) |", "|" + "---|" * 10]  # fmt: skip
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["layout"], r["dtype"]), []).append(r)
+
+    def span(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "-"
+        lo, hi = min(values), max(values)
+        return f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
+
+    for (kernel, layout, dtype), rs in sorted(groups.items()):
+        trips = [r["round_trips_per_iteration"] for r in rs if r["round_trips_per_iteration"] is not None]
+        out.append(
+            f"| {kernel} | {layout} | {dtype} | {max(r['registers'] for r in rs)} "
+            f"| {max(r['spill_bytes'] for r in rs)} "
+            f"| {min(r['max_warps_per_sm'] for r in rs)} | {span(r['load_vector_bits'] for r in rs)} "
+            f"| {span(r['store_vector_bits'] for r in rs)} | {max(trips) if trips else '-'} "
+            f"| {span(r['sass_per_element'] for r in rs)} |"
+        )
+    return out
+
+
+BEGIN, END = "<!-- kernel-audit:begin -->", "<!-- kernel-audit:end -->"
+
+
+def write_results_section(path: str, section: str) -> None:
+    """Put ``section`` between the audit markers of ``path`` (appended the first time)."""
+    text = open(path).read() if os.path.exists(path) else ""
+    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Self-check: the round-trip counter on toy kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _toy_work(v):
+    """Enough arithmetic that ptxas keeps one tile per loop iteration (it unrolls small loop bodies)."""
+    for _ in tl.static_range(48):
+        v = v * 1.0001 + 0.5
+    return v
+
+
+@triton.jit
+def _toy_dependent(idx_ptr, x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Loads an index, then loads through it: 2 round trips per iteration."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        j = tl.load(idx_ptr + offs)
+        acc += _toy_work(tl.load(x_ptr + j))
+    tl.store(out_ptr + tl.arange(0, BLOCK), acc)
+
+
+@triton.jit
+def _toy_independent(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Two independent loads per iteration: 1 round trip."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += _toy_work(tl.load(a_ptr + offs) * tl.load(b_ptr + offs))
+    tl.store(out_ptr + tl.arange(0, BLOCK), acc)
+
+
+def self_check(target) -> dict:
+    """Round trips, vector widths and loop size of the two toy kernels, compiled like a launch with n % 16 == 0."""
+    results = {}
+    for fn, pointers in ((_toy_dependent, ("*i32", "*fp32", "*fp32")), (_toy_independent, ("*fp32", "*fp32", "*fp32"))):
+        signature = dict(zip(fn.arg_names, (*pointers, "i32", "constexpr"), strict=True))
+        attrs = {(k,): [["tt.divisibility", 16]] for k in range(4)}
+        options = {"num_warps": 4}
+        row = compile_and_read(fn, signature, {(4,): 512}, attrs, options, target)
+        results[fn.fn.__name__] = {k: row[k] for k in ("round_trips_per_iteration", "load_vector_bits",
+                                                       "loop_global_loads", "registers", "spill_bytes")}  # fmt: skip
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="directory for kernel_audit.json and kernel_audit.md")
+    parser.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, bf16 and fp32 only")
+    parser.add_argument("--results", help="also write the table into this RESULTS.md, between the audit markers")
+    parser.add_argument("--self-check", action="store_true", help="run the round-trip counter on toy kernels")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
+    args = parser.parse_args(argv)
+    why = tools_missing()
+    if why:
+        print(f"kernel_audit: cannot run: {why}", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", args.arch, 32)
+    if args.self_check:
+        print(json.dumps(self_check(target), indent=1))
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    os.makedirs(args.out, exist_ok=True)
+    shapes = QUICK_SHAPES if args.quick else [s for s, _ in distinct_bn_shapes(32)]
+    dtypes = ("bf16", "fp32") if args.quick else tuple(DTYPES)
+    t0 = time.time()
+    print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {LAYOUTS} x {MODES} for sm_{args.arch}")
+    rows, compilations = audit(shapes, dtypes, LAYOUTS, target)
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "target": f"sm_{args.arch}",
+        "quick": args.quick,
+        "rows": len(rows),
+        "compilations": compilations,
+    }
+    with open(os.path.join(args.out, "kernel_audit.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    md = markdown(rows, meta)
+    with open(os.path.join(args.out, "kernel_audit.md"), "w") as f:
+        f.write(md)
+    if args.results:
+        write_results_section(args.results, md)
+    print("\n".join(summary(rows)))
+    print(f"kernel_audit: {len(rows)} rows in {time.time() - t0:.0f} s -> {args.out}/kernel_audit.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
