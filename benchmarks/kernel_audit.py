@@ -492,12 +492,17 @@ def audit(shapes, dtypes, layouts, target, log=print) -> tuple[list[dict], int]:
                             "grid": list(launch.grid),
                             "num_warps": int(launch.options["num_warps"]),
                             "blocks": {n: int(v) for n, v in named.items() if n.startswith("BLOCK")},
-                            "constexprs": {n: v for n, v in named.items() if not n.startswith("BLOCK")},
+                            "constexprs": {n: _plain(v) for n, v in named.items() if not n.startswith("BLOCK")},
                             **cache[key],
                         })  # fmt: skip
                 n = sum(len(v) for v in passes.values())
                 log(f"  {'x'.join(map(str, shape))} {dtype_name} {layout}: {n} launches, {len(cache)} compilations")
     return rows, len(cache)
+
+
+def _plain(v):
+    """A constexpr as JSON can hold it (a Triton dtype such as ACC becomes its name)."""
+    return v if isinstance(v, int | float | bool | str) else str(v)
 
 
 def _fmt(v, spec="") -> str:

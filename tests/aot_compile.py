@@ -24,7 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tritonbn.kernels import backward_elemt, backward_reduce, elemt, stats  # noqa: E402
 
-SCALARS = ("momentum", "eps", "slope")
+SCALARS = ("momentum", "momentum_lo", "eps", "eps_lo", "slope")
 
 
 def _compile(fn, pointers: dict, constexprs: dict, target, int64: bool) -> None:

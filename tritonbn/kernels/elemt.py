@@ -19,6 +19,8 @@ the host nor a serial loop. When the global count is 0 (every rank empty), the r
 and ``num_batches_tracked`` stay as they are.
 """
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -77,9 +79,11 @@ def _batch_norm_elemt_kernel(
     sr_o1,
     sr_o2,
     sr_i,
-    # scalars
+    # scalars: momentum and eps each as two fp32 numbers whose sum is the Python float (fp64)
     momentum,
+    momentum_lo,
     eps,
+    eps_lo,
     slope,
     # meta-parameters
     TRAINING: tl.constexpr,
@@ -102,7 +106,7 @@ def _batch_norm_elemt_kernel(
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = cols < C
     mean64, var64, n_all = channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING)
-    invstd64 = 1.0 / tl.sqrt(var64 + eps)
+    invstd64 = 1.0 / tl.sqrt(var64 + (tl.cast(eps, tl.float64) + tl.cast(eps_lo, tl.float64)))
     invstd = invstd64.to(ACC)
     if pid_r == 0:
         tl.store(mean_ptr + cols, mean64, mask=c_mask)
@@ -117,7 +121,7 @@ def _batch_norm_elemt_kernel(
             if CUMULATIVE:
                 factor = 1.0 / (nbt + 1).to(tl.float64)
             else:
-                factor = tl.cast(momentum, tl.float64)
+                factor = tl.cast(momentum, tl.float64) + tl.cast(momentum_lo, tl.float64)
             um = cols < tl.where(n_all > 0, C, 0)
             unbiased = var64 * n_all / tl.maximum(n_all - 1.0, 1.0)
             rm = tl.load(rmean_ptr + cols, mask=um, other=0.0).to(tl.float64)
@@ -169,6 +173,12 @@ def _batch_norm_elemt_kernel(
         y = activate(y, slope, ACTIVATION)
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
         x = x_next
+
+
+def split_float(v: float) -> tuple[float, float]:
+    """``(hi, lo)``: two float32 numbers whose sum is ``v`` to float64 precision (Triton passes floats as fp32)."""
+    hi = struct.unpack("f", struct.pack("f", float(v)))[0]
+    return hi, float(v) - hi
 
 
 def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
@@ -244,8 +254,8 @@ def batch_norm_elemt(
         *layout.args(0),
         *layout.args(1),
         *layout.args(2),
-        0.0 if momentum is None else float(momentum),
-        float(eps),
+        *split_float(0.0 if momentum is None else momentum),
+        *split_float(eps),
         float(negative_slope),
         TRAINING=training,
         UPDATE_RUNNING=update,

@@ -1,0 +1,132 @@
+"""Every dtype combination of input x parameters x buffers, float64 at float64 precision, one launch per pass."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import TOLERANCES
+
+import tritonbn
+from tritonbn.kernels import _layout
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+ATOL = {**TOLERANCES, torch.float64: (1e-12, 1e-12)}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("buffers", [torch.float32, torch.float64], ids=["buf32", "buf64"])
+@pytest.mark.parametrize("params", [torch.float32, torch.float64], ids=["par32", "par64"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtype_combinations(backend_name, dtype, params, buffers, training):
+    """Output in the input's dtype, buffers keep theirs, values as the float64 oracle; never an aliasing error."""
+    torch.manual_seed(11)
+    C = 3
+    x = (torch.randn(4, C, 3, 5, dtype=torch.float64) * 2 + 1).to(dtype)
+    w = (torch.rand(C, dtype=torch.float64) + 0.5).to(params)
+    b = torch.randn(C, dtype=torch.float64).to(params)
+    rm = torch.randn(C, dtype=torch.float64).to(buffers)
+    rv = (torch.rand(C, dtype=torch.float64) + 0.5).to(buffers)
+    rm_ref, rv_ref = rm.double().clone(), rv.double().clone()
+    xd = x.double().requires_grad_()
+    y_ref = F.batch_norm(xd, rm_ref, rv_ref, w.double(), b.double(), training, 0.1, 1e-5)
+    dy = torch.randn_like(y_ref)
+    y_ref.backward(dy)
+
+    xt = x.clone().requires_grad_()
+    y = tritonbn.sync_batch_norm(xt, rm, rv, w, b, training=training, momentum=0.1, eps=1e-5)
+    y.backward(dy.to(dtype))
+    assert y.dtype == dtype and rm.dtype == buffers and rv.dtype == buffers
+    atol, rtol = ATOL[dtype]
+    torch.testing.assert_close(y.double(), y_ref.detach(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(xt.grad.double(), xd.grad, atol=4 * atol, rtol=4 * rtol)
+    # Buffers: the oracle's update rounded once to the buffers' dtype.
+    btol = 1e-12 if buffers == torch.float64 and dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(rm.double(), rm_ref, atol=btol, rtol=btol)
+    torch.testing.assert_close(rv.double(), rv_ref, atol=btol, rtol=btol)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_float64_module_eval_and_train(backend_name, training):
+    """A float64 module runs (no aliasing error) and matches torch's BatchNorm2d in float64 bit for bit or nearly."""
+    torch.manual_seed(2)
+    bn = tritonbn.SyncBatchNorm(3).double().train(training)
+    ref = torch.nn.BatchNorm2d(3).double().train(training)
+    with torch.no_grad():
+        for m in (bn, ref):
+            m.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+            m.running_var.copy_(torch.tensor([1.5, 0.25, 4.0]))
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    torch.testing.assert_close(bn(x), ref(x), atol=1e-13, rtol=1e-13)
+    torch.testing.assert_close(bn.running_var, ref.running_var, atol=1e-14, rtol=1e-14)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gradcheck_float64(backend_name, training):
+    """torch.autograd.gradcheck at its default tolerances, as F.batch_norm passes it."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(2, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
+    rm, rv = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+
+    def f(x, w, b, r):
+        return tritonbn.sync_batch_norm(
+            x, rm.clone(), rv.clone(), w, b, training=training, residual=r, activation="silu"
+        )
+
+    assert torch.autograd.gradcheck(f, (x, w, b, r))
+
+    def plain(x, w, b):
+        return tritonbn.sync_batch_norm(x, rm.clone(), rv.clone(), w, b, training=training)
+
+    assert torch.autograd.gradcheck(plain, (x, w, b))
+
+
+@pytest.fixture
+def many_programs(monkeypatch):
+    """Tiny tiles and many programs per channel block, so the last-program merge has many partials."""
+    monkeypatch.setattr(_layout, "_CPU_TILE", 8)
+    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
+    _layout._plan.cache_clear()
+    yield
+    _layout._plan.cache_clear()
+
+
+def test_one_launch_per_pass_and_tickets_reset(many_programs, monkeypatch):
+    """Training forward and backward take one launch each after the collective, eval one; tickets go back to 0."""
+    from tritonbn import kernels
+
+    monkeypatch.setenv("TRITONBN_BACKEND", "triton")
+    launches = []
+    for name in ("stats", "elemt", "backward_reduce", "backward_elemt"):
+        module = getattr(kernels, name)
+        kernel = next(v for k, v in vars(module).items() if k.startswith("_batch_norm") and k.endswith("_kernel"))
+        original = kernel.run
+
+        def counting(*args, _original=original, _name=name, **kwargs):
+            launches.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", counting)
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 7, requires_grad=True)
+    bn = tritonbn.SyncBatchNorm(6, momentum=None)
+    assert _layout.plan(x.shape, x).r_progs > 1
+    y = bn(x)
+    assert launches == ["stats", "elemt"]
+    y.backward(torch.randn_like(y))
+    assert launches == ["stats", "elemt", "backward_reduce", "backward_elemt"]
+    bn.eval()
+    bn(x.detach())
+    assert launches[4:] == ["elemt"]
+    for buf in _layout._tickets.values():
+        assert not buf.any(), "a kernel left a ticket counter non-zero"
+    # Two identical steps give the same bits: the merge order does not depend on arrival order.
+    outs = []
+    for _ in range(2):
+        fresh = tritonbn.SyncBatchNorm(6, momentum=None)
+        xi = x.detach().clone().requires_grad_()
+        yi = fresh(xi)
+        yi.backward(torch.ones_like(yi) + xi.detach())
+        outs.append((yi, xi.grad, fresh.running_var, fresh.num_batches_tracked))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)) and outs[0][3].item() == 1
