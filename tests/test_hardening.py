@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from dist import load_ranks, save_rank, spawn
 from oracle import Oracle
@@ -171,14 +172,33 @@ def test_nan_inf_poison_one_channel(backend_name, bad):
     bn = tritonbn.SyncBatchNorm(3)
     y = bn(x)
     y.sum().backward()
+    # the poisoned channel: the same running statistics become non-finite as in torch
+    rm_ref, rv_ref = torch.zeros(3), torch.ones(3)
+    y_torch = F.batch_norm(x.detach(), rm_ref, rv_ref, training=True)
+    assert not torch.isfinite(rv_ref[1]), "the oracle must see the poison"
+    assert torch.equal(torch.isfinite(bn.running_mean), torch.isfinite(rm_ref)), (bn.running_mean, rm_ref)
+    assert torch.equal(torch.isfinite(bn.running_var), torch.isfinite(rv_ref)), (bn.running_var, rv_ref)
+    assert torch.equal(torch.isfinite(y), torch.isfinite(y_torch))
     clean = [0, 2]
-    assert not torch.isfinite(y[:, 1]).all()
     assert torch.isfinite(y[:, clean]).all() and torch.isfinite(x.grad[:, clean]).all()
     assert torch.isfinite(bn.running_mean[clean]).all() and torch.isfinite(bn.running_var[clean]).all()
     oracle = Oracle(2, weight=torch.ones(2), bias=torch.zeros(2))
     y_ref, *_ = oracle.step(x.detach()[:, clean], None)
     torch.testing.assert_close(y[:, clean].detach().double(), y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(bn.running_var[clean].double(), oracle.running_var, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_relu_keeps_nan(backend_name):
+    """relu(NaN) is NaN in torch; a max that drops NaN operands would give 0."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5)
+    x[1, 1, 2] = float("nan")
+    bn = tritonbn.SyncBatchNorm(3, activation="relu").eval()
+    y = bn(x)
+    y_ref = torch.relu(F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias))
+    assert torch.isnan(y_ref[1, 1, 2])
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
 # --- activation checkpointing ---------------------------------------------------------------------

@@ -38,7 +38,7 @@ def channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING: tl.
         n = tl.load(stats_ptr + 2 * C + cols, mask=c_mask, other=0.0)
         nn = tl.maximum(n, 1.0)
         mean = s1 / nn
-        var = tl.maximum(s2 / nn - mean * mean, 0.0)
+        var = tl.maximum(s2 / nn - mean * mean, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN is kept
     else:
         mean = tl.load(rmean_ptr + cols, mask=c_mask, other=0.0).to(tl.float64)
         var = tl.load(rvar_ptr + cols, mask=c_mask, other=1.0).to(tl.float64)
@@ -62,7 +62,7 @@ ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 def activate(z, slope, ACTIVATION: tl.constexpr):
     """act(z) for ACTIVATION 0 (none), 1 (relu), 2 (leaky_relu with ``slope``), 3 (silu)."""
     if ACTIVATION == 1:
-        z = tl.maximum(z, 0.0)
+        z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) = NaN, as in torch
     elif ACTIVATION == 2:
         z = tl.where(z > 0, z, z * slope)
     elif ACTIVATION == 3:
