@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(seconds=60)  # a hang fails the test instead of stalling CI
 
 
-def _entry(rank, world, init_file, fn, args):
+def _entry(rank, world, init_file, fn, args, timeout):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     try:
         fn(rank, world, *args)
         dist.barrier()  # leave together: tearing gloo down while a peer still talks can abort the peer
@@ -24,11 +24,11 @@ def _entry(rank, world, init_file, fn, args):
         dist.destroy_process_group()
 
 
-def spawn(world: int, fn, *args) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raises a rank's exception."""
+def spawn(world: int, fn, *args, timeout: datetime.timedelta = TIMEOUT) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks (group ``timeout``); re-raises a rank's exception."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_entry, args=(world, init_file, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, init_file, fn, args, timeout), nprocs=world, join=True)
 
 
 def load_ranks(out_dir: str, world: int) -> list:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fractions
+import json
 import os
+import pathlib
+import random
 import subprocess
 import sys
 import warnings
@@ -186,6 +190,97 @@ def test_doctor_exit_codes(tmp_path, capsys):
     assert "not the same model" in capsys.readouterr().err
     assert doctor.main([paths[0]]) == 2
     assert "at least two checkpoints" in capsys.readouterr().err
+
+
+class _Touch:
+    """A pickle that would create a file if unpickled with code execution."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def _state():
+    return nn.Sequential(nn.BatchNorm2d(4)).state_dict()
+
+
+MALFORMED = [
+    # (file name, how to write it, fragment of the one-line reason)
+    ("int.pt", lambda p: torch.save({**_state(), "0.num_batches_tracked": 5}, p), "0.num_batches_tracked is an int"),
+    ("list.pt", lambda p: torch.save({**_state(), "0.running_mean": [0.0] * 4}, p), "0.running_mean is a list"),
+    ("intkey.pt", lambda p: torch.save({**_state(), 3: torch.ones(2)}, p), "key 3 is an int, not a string"),
+    ("shape.pt", lambda p: torch.save({**_state(), "0.running_var": torch.ones(5)}, p), "has shape (5,), not (4,)"),
+    ("nbt.pt", lambda p: torch.save({**_state(), "0.num_batches_tracked": torch.ones(2)}, p), "must hold one integer"),
+    ("cplx.pt", lambda p: torch.save({**_state(), "0.running_var": torch.ones(4, dtype=torch.cfloat)}, p), "floating"),
+    (
+        "extra.pt",
+        lambda p: torch.save({**_state(), "1.running_mean": torch.ones(1), "1.running_var": torch.ones(1)}, p),
+        "has BatchNorm layer '1'",
+    ),  # fmt: skip
+    ("alist.pt", lambda p: torch.save([1, 2], p), "expected a state_dict"),
+    ("evil.pt", lambda p: torch.save({"x": _Touch(str(p) + ".ran")}, p), "refused by the weights-only loader"),
+    (
+        "frac.pt",
+        lambda p: torch.save({"x": fractions.Fraction(1, 3)}, p),
+        "GLOBAL fractions.Fraction was not an allowed global",
+    ),
+    (
+        "ckpt.json",
+        lambda p: p.write_text(json.dumps({"0.running_mean": [0.0]})),
+        "not a checkpoint written by torch.save",
+    ),
+    (
+        "random.pt",
+        lambda p: p.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(300))),
+        "not a checkpoint",
+    ),
+    ("empty.pt", lambda p: p.write_bytes(b""), "cannot read checkpoint: empty file"),
+    ("truncated.pt", lambda p: p.write_bytes(_saved(p)[:200]), "failed reading zip archive"),
+    ("missing.pt", lambda p: None, "No such file or directory"),
+]
+
+
+def _saved(path):
+    torch.save(_state(), path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("name, write, reason", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_doctor_malformed_file_exit_2_one_line(tmp_path, capsys, name, write, reason):
+    good = tmp_path / "good.pt"
+    torch.save(_state(), good)
+    bad = tmp_path / name
+    write(bad)
+    # with the extra layer's file first, it is the good file that lacks a layer: only the order good, bad
+    for order in ([good, bad], [bad, good])[: 1 if name == "extra.pt" else 2]:
+        assert doctor.main([str(p) for p in order]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"tritonbn doctor: error: {bad}: ") and reason in err, err
+        assert "\x1b" not in err and "weights_only" not in err, err
+    assert not (tmp_path / (name + ".ran")).exists(), "unpickling ran code"
+
+
+def test_doctor_reason_is_one_clean_line():
+    error = RuntimeError(
+        "Weights only load failed. Advice.\n\t(1) More advice.\n\x1b[1mthe reason\x1b[0m. Please do X.\n"
+    )
+    assert doctor._one_line(error) == "the reason."
+    assert doctor._one_line(EOFError()) == "EOFError"
+
+
+def test_doctor_console_script_malformed(tmp_path):
+    """The issue's reproduction: exit 2 and one line, not a traceback and exit 1."""
+    torch.save(_state(), tmp_path / "a.pt")
+    torch.save({**_state(), "0.num_batches_tracked": 5}, tmp_path / "b.pt")
+    cmd = [sys.executable, "-m", "tritonbn", "doctor", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tritonbn doctor: error: {tmp_path / 'b.pt'}: 0.num_batches_tracked is an int, not a tensor"
+    ]
 
 
 def test_doctor_console_script(tmp_path):

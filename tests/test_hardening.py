@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 from dist import load_ranks, save_rank, spawn
 from oracle import Oracle
+from torch import nn
 
 import tritonbn
 from tritonbn import backend
@@ -106,41 +110,130 @@ def test_functional_argument_errors(backend_name, name, kwargs, message):
 # --- cross-rank mismatches: TRITONBN_DEBUG=1 -------------------------------------------------------
 
 
-def _rank_mismatch(rank, world, out_dir, case):
+def _layers(rank, case):
+    """Two layers named by conversion, ``bn1`` and ``bn2``; on rank 1 they may differ as ``case`` says."""
+    c1 = 5 if case == "channels" and rank == 1 else 4
+    c2 = 5 if case == "skip, other shape" else 4
+    return tritonbn.convert_sync_batchnorm(nn.ModuleDict({"bn1": nn.BatchNorm1d(c1), "bn2": nn.BatchNorm1d(c2)}))
+
+
+def _mismatching_forward(rank, case, layers):
+    """The forward of one training step, in which rank 1 does something else than rank 0 as ``case`` says."""
+    order = ["bn1", "bn2"]
+    if rank == 1 and case == "reorder":
+        order = ["bn2", "bn1"]
+    if rank == 1 and case.startswith("skip"):
+        order = ["bn2"]
+    if rank == 1 and case == "mode":
+        layers.eval()
+    outputs = []
+    for name in order:
+        x = torch.randn(3, layers[name].num_features, 2, requires_grad=True)
+        if rank == 1 and case == "rejects input":
+            x = x.detach().to(torch.int32)
+        outputs.append(layers[name](x))
+    # backward: rank 1's loss does not use bn2, so rank 0 runs bn2's backward while rank 1 runs bn1's
+    return outputs[0].sum() if rank == 1 and case == "backward" else sum(y.sum() for y in outputs)
+
+
+MISMATCHES = ["reorder", "skip", "skip, other shape", "mode", "channels", "rejects input", "backward"]
+
+
+def _snapshot(layers):
+    """Buffers and parameter gradients."""
+    grads = {f"{k}.grad": p.grad.clone() if p.grad is not None else None for k, p in layers.named_parameters()}
+    return {**{k: v.clone() for k, v in layers.state_dict().items()}, **grads}
+
+
+def _rank_mismatches(rank, world, out_dir):
     results = {}
-    bn = tritonbn.SyncBatchNorm(4 if case != "channels" or rank == 0 else 5)
-    x = torch.randn(3, bn.num_features, 2)
-    if case == "mode" and rank == 1:
-        bn.eval()
-    if case == "dtype" and rank == 1:
-        x = x.to(torch.int32)
-    try:
-        bn(x)
-        results["error"] = None
-    except (ValueError, TypeError) as e:
-        results["error"] = (type(e).__name__, str(e))
-    # the process group is still usable afterwards: nothing hangs, nothing is left half-done
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    results["after"] = t.item()
+    for case in MISMATCHES:
+        torch.manual_seed(rank)
+        layers = _layers(rank, case)
+        if case != "channels":  # a matching step first: the identities agree
+            _mismatching_forward(rank, "none", layers).backward()
+        before = _snapshot(layers)
+        try:
+            loss = _mismatching_forward(rank, case, layers)
+            before = _snapshot(layers)  # the forward matched (case "backward"): it rightly updated the statistics
+            loss.backward()
+            error = None
+        except (ValueError, TypeError) as e:
+            error = (type(e).__name__, str(e))
+        same = lambda a, b: a is b is None or (a is not None and b is not None and torch.equal(a, b))  # noqa: E731
+        changed = [k for k, v in _snapshot(layers).items() if not same(v, before[k])]
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the process group is still usable: nothing hangs, nothing is left half-done
+        results[case] = {"error": error, "changed": changed, "after": t.item()}
     save_rank(out_dir, rank, results)
 
 
-@pytest.mark.parametrize(
-    "case, expected",
-    [
-        ("channels", [("ValueError", "ranks disagree on channels (4 vs 5)")] * 2),
-        ("mode", [("ValueError", "ranks disagree on training (eval vs train)")] * 2),
-        ("dtype", [("RemoteInputError", "another rank rejected its input"), ("TypeError", "got dtype torch.int32")]),
-    ],
-)
-def test_debug_mode_raises_on_every_rank(tmp_path, monkeypatch, case, expected):
+# (case, what every rank's error says, what it says of each rank)
+EXPECTED = {
+    "reorder": (
+        "ranks disagree on layer at call",
+        ["rank 0: forward of layer 'bn1'", "rank 1: forward of layer 'bn2'"],
+    ),
+    "skip": ("ranks disagree on layer at call", ["rank 0: forward of layer 'bn1'", "rank 1: forward of layer 'bn2'"]),
+    "skip, other shape": (
+        "ranks disagree on layer, channels (4 vs 5) at call",
+        ["rank 0: forward of layer 'bn1' (channels=4", "rank 1: forward of layer 'bn2' (channels=5"],
+    ),
+    "mode": (
+        "ranks disagree on training (eval vs train)",
+        [
+            "rank 0: forward of layer 'bn1' (channels=4, ndim=3, dtype=float32, training=train",
+            "rank 1: forward of layer 'bn1' (channels=4, ndim=3, dtype=float32, training=eval",
+        ],
+    ),  # fmt: skip
+    "channels": (
+        "ranks disagree on channels (4 vs 5)",
+        ["rank 0: forward of layer 'bn1'", "rank 1: forward of layer 'bn1'"],
+    ),
+    "backward": (
+        "tritonbn backward: ranks disagree on layer at call",
+        ["rank 0: backward of layer 'bn2'", "rank 1: backward of layer 'bn1'"],
+    ),
+}
+
+
+def test_debug_mode_raises_on_every_rank(tmp_path, monkeypatch):
+    """At the first call that differs, every rank raises the same error naming each rank's layer; no state changes."""
     monkeypatch.setenv("TRITONBN_DEBUG", "1")
-    spawn(2, _rank_mismatch, str(tmp_path), case)
-    for rank, ((kind, fragment), got) in enumerate(zip(expected, load_ranks(str(tmp_path), 2), strict=True)):
-        assert got["error"] is not None, f"rank {rank} did not raise"
-        assert got["error"][0] == kind and fragment in got["error"][1], got["error"]
-        assert got["after"] == 2.0
+    spawn(2, _rank_mismatches, str(tmp_path))
+    ranks = load_ranks(str(tmp_path), 2)
+    for case in MISMATCHES:
+        got = [r[case] for r in ranks]
+        for rank, g in enumerate(got):
+            assert g["error"] is not None, f"{case}: rank {rank} did not raise"
+            assert g["changed"] == [], f"{case}: rank {rank} changed {g['changed']}"
+            assert g["after"] == 2.0
+        if case == "rejects input":
+            assert (
+                got[1]["error"] == ("TypeError", got[1]["error"][1]) and "got dtype torch.int32" in got[1]["error"][1]
+            )
+            kind, message = got[0]["error"]
+            assert kind == "RemoteInputError" and "another rank rejected its input" in message and "(rank 1)" in message
+            assert "rank 1: forward of layer 'bn1'" in message and "rejected its input: TypeError" in message
+            continue
+        assert got[0]["error"] == got[1]["error"], f"{case}: the ranks raise different errors"
+        kind, message = got[0]["error"]
+        summary, per_rank = EXPECTED[case]
+        assert kind == "ValueError" and summary in message, (case, message)
+        for line in per_rank:
+            assert "\n  " + line in message, (case, line, message)
+
+
+def test_layer_identity():
+    """Debug mode's layer identity: the qualified name from conversion, else the construction index."""
+    model = nn.Sequential(nn.Conv1d(3, 4, 1), nn.BatchNorm1d(4), nn.Sequential(tritonbn.SyncBatchNorm(4)))
+    built = model[2][0]._tritonbn_layer
+    assert re.fullmatch(r"SyncBatchNorm#\d+", built)
+    assert tritonbn.SyncBatchNorm(4)._tritonbn_layer != built
+    tritonbn.convert_sync_batchnorm(model)
+    assert (model[1]._tritonbn_layer, model[2][0]._tritonbn_layer) == ("1", "2.0")
+    outer = tritonbn.convert_sync_batchnorm(nn.ModuleDict({"net": model}))
+    assert outer["net"][1]._tritonbn_layer == "net.1", "the conversion of an enclosing model renames"
 
 
 def _rank_debug_ok(rank, world, out_dir):
@@ -159,6 +252,34 @@ def test_debug_mode_passes_matching_ranks(tmp_path, monkeypatch):
     assert torch.equal(r0["rm"], r1["rm"])
 
 
+# --- a rank that dies -----------------------------------------------------------------------------
+
+
+def _rank_dies_before_backward(rank, world, out_dir):
+    bn = tritonbn.SyncBatchNorm(3)
+    x = torch.randn(4, 3, 2, requires_grad=True)
+    y = bn(x)
+    if rank == 1:
+        os._exit(0)  # dies between the forward and the backward collectives
+    start = time.monotonic()
+    try:
+        y.sum().backward()
+        error = None
+    except RuntimeError as e:
+        error = f"{type(e).__name__}: {e}"
+    save_rank(out_dir, rank, {"error": error, "seconds": time.monotonic() - start})
+    os._exit(0)  # the group is broken: no barrier, no teardown
+
+
+@pytest.mark.distributed
+def test_rank_death_between_forward_and_backward(tmp_path):
+    """The survivor's backward all-reduce raises at once, long before the group's 20 s timeout."""
+    spawn(2, _rank_dies_before_backward, str(tmp_path), timeout=datetime.timedelta(seconds=20))
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert got["error"] is not None, "the surviving rank's backward did not raise"
+    assert got["seconds"] < 5.0, f"the surviving rank raised only after {got['seconds']:.1f} s"
+
+
 # --- NaN and Inf stay in their channel ------------------------------------------------------------
 
 
@@ -171,14 +292,33 @@ def test_nan_inf_poison_one_channel(backend_name, bad):
     bn = tritonbn.SyncBatchNorm(3)
     y = bn(x)
     y.sum().backward()
+    # the poisoned channel: the same running statistics become non-finite as in torch
+    rm_ref, rv_ref = torch.zeros(3), torch.ones(3)
+    y_torch = F.batch_norm(x.detach(), rm_ref, rv_ref, training=True)
+    assert not torch.isfinite(rv_ref[1]), "the oracle must see the poison"
+    assert torch.equal(torch.isfinite(bn.running_mean), torch.isfinite(rm_ref)), (bn.running_mean, rm_ref)
+    assert torch.equal(torch.isfinite(bn.running_var), torch.isfinite(rv_ref)), (bn.running_var, rv_ref)
+    assert torch.equal(torch.isfinite(y), torch.isfinite(y_torch))
     clean = [0, 2]
-    assert not torch.isfinite(y[:, 1]).all()
     assert torch.isfinite(y[:, clean]).all() and torch.isfinite(x.grad[:, clean]).all()
     assert torch.isfinite(bn.running_mean[clean]).all() and torch.isfinite(bn.running_var[clean]).all()
     oracle = Oracle(2, weight=torch.ones(2), bias=torch.zeros(2))
     y_ref, *_ = oracle.step(x.detach()[:, clean], None)
     torch.testing.assert_close(y[:, clean].detach().double(), y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(bn.running_var[clean].double(), oracle.running_var, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_relu_keeps_nan(backend_name):
+    """relu(NaN) is NaN in torch; a max that drops NaN operands would give 0."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5)
+    x[1, 1, 2] = float("nan")
+    bn = tritonbn.SyncBatchNorm(3, activation="relu").eval()
+    y = bn(x)
+    y_ref = torch.relu(F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias))
+    assert torch.isnan(y_ref[1, 1, 2])
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
 # --- activation checkpointing ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -52,42 +53,106 @@ class RemoteInputError(ValueError):
     """Raised on the ranks whose input was fine when another rank rejected its input (debug mode)."""
 
 
-def check_signature(group, where: str, fields: dict[str, float], local_error: BaseException | None = None) -> None:
-    """Compare ``fields`` across the ranks of ``group``; raise the same error on every rank on a mismatch.
+_FIELDS = 6  # signature fields a call site may compare; the packed signature has a fixed size
+_TEXT_BYTES = 512  # what each rank's description may take in the error path
+_calls: dict[str, int] = {}  # per process group: how many signature checks this rank has made
 
-    Every rank must call this at the same point with the same field names (debug mode calls it
-    before each collective, and also in eval so that a rank in eval while others train is caught).
+
+def text_code(text: str) -> int:
+    """A stable integer for ``text``, the same in every process (Python's ``hash`` is salted per process)."""
+    return zlib.crc32(text.encode("utf-8"))
+
+
+def check_signature(
+    group, where: str, fields: dict[str, float], local_error: BaseException | None = None, layer: str = ""
+) -> None:
+    """Compare a call's signature across the ranks of ``group``; raise the same error on every rank on a mismatch.
+
+    Every rank must call this at the same point: debug mode calls it before each collective, and
+    also in eval so that a rank in eval while others train is caught. The signature is what
+    identifies the call, the same on every rank when the code is the same: the number of checks
+    this rank has made on ``group`` before (a per-group call counter), ``where`` (the pass, such as
+    ``"forward"``), the ``layer`` identity (see :class:`tritonbn.SyncBatchNorm`), then ``fields``
+    (at most 6 numbers). Strings travel as CRC-32 codes, in one small all-reduce of fixed size, so
+    that even different call sites pair up and compare instead of hanging.
+
+    On a mismatch, which every rank sees alike, a second small all-reduce gathers each rank's own
+    description (its layer name, pass, fields) so that the error names what each rank was doing.
     A rank that rejected its input passes ``local_error``: it re-raises that error, and the other
-    ranks raise :class:`RemoteInputError`, instead of waiting forever in the next collective.
-    It reads the result on the host: a synchronization, which is why it is opt-in.
+    ranks raise :class:`RemoteInputError`, naming that rank, instead of waiting forever in the next
+    collective. It reads the result on the host: a synchronization, which is why it is opt-in.
     """
-    values = torch.tensor([1.0 if local_error is not None else 0.0, *map(float, fields.values())], dtype=torch.float64)
+    if len(fields) > _FIELDS:
+        raise ValueError(f"check_signature compares at most {_FIELDS} fields, got {len(fields)}")
+    key = getattr(group, "group_name", None) or str(id(group))
+    call = _calls.get(key, 0)
+    _calls[key] = call + 1
+    numbers = [call, text_code(where), text_code(layer), *map(float, fields.values())]
+    numbers += [0.0] * (3 + _FIELDS - len(numbers))
+    values = torch.tensor([1.0 if local_error is not None else 0.0, *numbers], dtype=torch.float64)
     both = torch.cat([values, -values]).to(collective_device(group))
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    hi, lo = both[: values.numel()].cpu(), -both[values.numel() :].cpu()
+    hi, lo = both[: values.numel()].cpu().tolist(), (-both[values.numel() :]).cpu().tolist()
+    rejected = hi[0] > 0
+    # What differs, in terms every rank states alike: fields are comparable only at the same call site.
+    differ = [f"call ({int(lo[1]) + 1} vs {int(hi[1]) + 1})"] if hi[1] != lo[1] else []
+    differ += [name for i, name in ((2, "pass"), (3, "layer")) if hi[i] != lo[i]]
+    if hi[2] == lo[2]:
+        differ += [f"{name} ({_show(name, lo[i])} vs {_show(name, hi[i])})" for i, name in enumerate(fields, start=4)
+                   if hi[i] != lo[i]]  # fmt: skip
+    if not differ and not rejected:
+        return
+    mine = _describe(where, layer, fields, local_error)
+    ranks = _gather_texts(group, mine)
     if local_error is not None:
         raise local_error
-    if hi[0] > 0:
-        raise RemoteInputError(f"tritonbn {where}: another rank rejected its input; see the error on that rank")
-    names = list(fields)
-    differ = [
-        f"{name} ({_show(name, lo[i + 1])} vs {_show(name, hi[i + 1])})"
-        for i, name in enumerate(names)
-        if hi[i + 1] != lo[i + 1]
-    ]
-    if differ:
-        raise ValueError(
-            f"tritonbn {where}: ranks disagree on {', '.join(differ)}. Every rank of the process group must call "
-            "SyncBatchNorm in the same order, in the same mode (train/eval), with the same channels and dtype"
+    place = f"tritonbn {where}" if hi[2] == lo[2] else "tritonbn"
+    at = f" at call {call + 1} on this process group" if hi[1] == lo[1] else ""
+    if rejected:
+        who = [str(r) for r, text in enumerate(ranks) if "rejected its input" in text]
+        raise RemoteInputError(
+            f"{place}: another rank rejected its input{at} (rank{'s' if len(who) > 1 else ''} {', '.join(who)}); "
+            f"see the error on that rank{_by_rank(ranks)}"
         )
+    raise ValueError(
+        f"{place}: ranks disagree on {', '.join(differ)}{at}{_by_rank(ranks)}\nEvery rank of the process group "
+        "must call the same SyncBatchNorm layers in the same order, in the same mode (train/eval), with the same "
+        "channels and dtype (TRITONBN_DEBUG=1 checks this before every collective)"
+    )
 
 
-def _show(name: str, value: torch.Tensor) -> str:
-    v = int(value.item())
+def _describe(where: str, layer: str, fields: dict[str, float], local_error: BaseException | None) -> str:
+    text = f"{where} of layer {layer!r}" if layer else where
+    text += " (" + ", ".join(f"{name}={_show(name, float(v))}" for name, v in fields.items()) + ")"
+    if local_error is not None:
+        first = str(local_error).strip().splitlines()[0] if str(local_error).strip() else ""
+        text += f", rejected its input: {type(local_error).__name__}: {first}"
+    return text
+
+
+def _gather_texts(group, text: str) -> list[str]:
+    """Every rank's ``text`` (truncated to 512 bytes), by rank in ``group``: one all-reduce of a (W, 512) buffer."""
+    rows = torch.zeros((dist.get_world_size(group), _TEXT_BYTES), dtype=torch.uint8)
+    data = text.encode("utf-8")[:_TEXT_BYTES]
+    rows[dist.get_rank(group), : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = rows.to(collective_device(group))
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "ignore") for row in rows.cpu().tolist()]
+
+
+def _by_rank(texts: list[str]) -> str:
+    """``":\n  rank 0: ...\n  ranks 1, 2: ..."``, ranks with the same text on one line."""
+    same: dict[str, list[int]] = {}
+    for rank, text in enumerate(texts):
+        same.setdefault(text, []).append(rank)
+    lines = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}" for text, r in same.items()]
+    return ":\n  " + "\n  ".join(lines)
+
+
+def _show(name: str, value: float) -> str:
+    v = int(value)
     if name == "dtype":
         return next((str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items() if c == v), "other")
     if name in ("training", "input_grad"):
         return {"training": ("eval", "train"), "input_grad": ("no", "yes")}[name][v]
-    if name == "pass":
-        return ("forward", "backward")[v - 1] if v in (1, 2) else str(v)
     return str(v)

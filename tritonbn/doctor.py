@@ -3,11 +3,16 @@
 Exit codes: 0 when the checkpoints are in sync, 1 when some BatchNorm layer diverges (per channel,
 ``max - min`` across checkpoints of ``running_mean`` or ``running_var`` above
 ``atol + rtol * max(|max|, |min|)``, defaults ``1e-6`` and ``1e-5``, or a different
-``num_batches_tracked``), 2 when a file cannot be read or the checkpoints do not hold the same layers.
+``num_batches_tracked``), 2 when a file cannot be used: it cannot be read (empty, not written by
+``torch.save``, or refused by the weights-only loader), it is not a state_dict, its BatchNorm entries are
+not tensors of the right shapes, or the checkpoints do not hold the same layers. Exit 2 prints one
+line on stderr naming the file and the problem, never a traceback.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 
 import torch
@@ -19,6 +24,43 @@ class DoctorError(Exception):
     """An unreadable or incompatible checkpoint (exit code 2)."""
 
 
+_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal colour and style codes
+# Lines of torch's weights-only message that advise rather than say what went wrong.
+_ADVICE = re.compile(r"Weights only load failed|Please file an issue|Check the documentation|\(\d\) ")
+
+
+def _one_line(error: BaseException) -> str:
+    """What went wrong, in one sentence: the unpickler's own reason, without torch's advice or escape codes."""
+    text = _ESCAPES.sub("", str(error)).split("WeightsUnpickler error:", 1)[-1]
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not _ADVICE.match(line):
+            return re.split(r"(?<=\.)\s+(?=[A-Z])", line)[0]
+    return type(error).__name__
+
+
+def _load_failure(path: str, error: BaseException) -> str:
+    """Why ``torch.load(path, weights_only=True)`` failed, in one line without advice to load unsafely."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        return "empty file"
+    reason = _one_line(error)
+    if isinstance(error, OSError):
+        return reason
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic not in (b"PK", b"\x80\x02"):  # torch.save writes a zip archive (or, before 1.6, a pickle)
+        return f"not a checkpoint written by torch.save ({reason})"
+    if str(error).lstrip().startswith("Weights only load failed"):
+        return f"refused by the weights-only loader, nothing was run ({reason})"
+    return reason
+
+
+def _a(value) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+
+
 def _state_dict(obj, path: str) -> dict:
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]
@@ -26,6 +68,11 @@ def _state_dict(obj, path: str) -> dict:
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not any(isinstance(v, torch.Tensor) for v in obj.values()):
         raise DoctorError(f"{path}: expected a state_dict or {{'model': state_dict}}, got {type(obj).__name__}")
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            raise DoctorError(f"{path}: key {key!r} is {_a(key)}, not a string: not a state_dict")
+        if key.endswith(_SUFFIXES) and not isinstance(value, torch.Tensor):
+            raise DoctorError(f"{path}: {key} is {_a(value)}, not a tensor")
     return obj
 
 
@@ -34,8 +81,31 @@ def load(path: str) -> dict:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
-        raise DoctorError(f"{path}: cannot read checkpoint: {e}") from e
+        raise DoctorError(f"{path}: cannot read checkpoint: {_load_failure(path, e)}") from e
     return _state_dict(obj, path)
+
+
+def _layer_row(state: dict, prefix: str, path: str, shape: torch.Size, first: str) -> torch.Tensor:
+    """``[running_mean | running_var | num_batches_tracked]`` of one layer as fp64, checked."""
+    try:
+        mean, var = state[prefix + "running_mean"], state[prefix + "running_var"]
+    except KeyError as e:
+        raise DoctorError(f"{path}: has no {e.args[0]}, which {first} has: not the same model") from e
+    nbt = state.get(prefix + "num_batches_tracked", torch.tensor(-1))
+    for name, t in (("running_mean", mean), ("running_var", var)):
+        if t.layout != torch.strided or not t.is_floating_point():
+            raise DoctorError(f"{path}: {prefix}{name} must be a dense floating-point tensor, got {t.dtype} {t.layout}")
+        if t.shape != shape:
+            raise DoctorError(f"{path}: {prefix}{name} has shape {tuple(t.shape)}, not {tuple(shape)} as in {first}")
+    if nbt.layout != torch.strided or nbt.numel() != 1 or nbt.is_floating_point() or nbt.is_complex():
+        raise DoctorError(
+            f"{path}: {prefix}num_batches_tracked must hold one integer, got {nbt.dtype} of shape {tuple(nbt.shape)}"
+        )
+    try:
+        return torch.cat([mean.double().flatten(), var.double().flatten(), nbt.double().reshape(1),
+                          torch.zeros(4, dtype=torch.float64)])  # fmt: skip
+    except (RuntimeError, TypeError, ValueError) as e:  # a tensor torch cannot convert, say
+        raise DoctorError(f"{path}: {prefix}running_mean/var cannot be read as numbers: {_one_line(e)}") from e
 
 
 def batchnorm_prefixes(state: dict) -> list[str]:
@@ -49,23 +119,17 @@ def compare(states: list[dict], paths: list[str], atol: float = ATOL, rtol: floa
     prefixes = batchnorm_prefixes(states[0])
     if not prefixes:
         raise DoctorError(f"{paths[0]}: no BatchNorm running statistics (no '*running_mean' with '*running_var')")
+    for state, path in zip(states[1:], paths[1:], strict=True):
+        extra = sorted(set(batchnorm_prefixes(state)) - set(prefixes))
+        if extra:
+            layer = extra[0].rstrip(".")
+            raise DoctorError(f"{path}: has BatchNorm layer {layer!r}, which {paths[0]} has not: not the same model")
     records = []
     for prefix in prefixes:
-        rows = []
-        for state, path in zip(states, paths, strict=True):
-            try:
-                mean, var = state[prefix + "running_mean"], state[prefix + "running_var"]
-            except KeyError as e:
-                raise DoctorError(f"{path}: has no {e.args[0]}, which {paths[0]} has: not the same model") from e
-            if mean.shape != states[0][prefix + "running_mean"].shape or var.shape != mean.shape:
-                shape = tuple(mean.shape)
-                raise DoctorError(f"{path}: {prefix}running_mean/var have shape {shape}, not as in {paths[0]}")
-            nbt = state.get(prefix + "num_batches_tracked", torch.tensor(-1))
-            rows.append(torch.cat([mean.double().flatten(), var.double().flatten(), nbt.double().reshape(1),
-                                   torch.zeros(4, dtype=torch.float64)]))  # fmt: skip
-        stack = torch.stack(rows)
+        shape = states[0][prefix + "running_mean"].shape
+        stack = torch.stack([_layer_row(s, prefix, p, shape, paths[0]) for s, p in zip(states, paths, strict=True)])
         hi, lo = stack.max(0).values, stack.min(0).values
-        records.append(layer_record(prefix.rstrip("."), hi, lo, mean.numel(), True, atol, rtol))
+        records.append(layer_record(prefix.rstrip("."), hi, lo, shape.numel(), True, atol, rtol))
     return SyncReport(records, len(states), atol, rtol)
 
 

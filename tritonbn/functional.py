@@ -119,11 +119,10 @@ def check_inputs(
             )
 
 
-def _signature(where: int, input, training: bool, input_grad: bool) -> dict[str, float]:
-    """What every rank must agree on before a collective (TRITONBN_DEBUG=1)."""
+def _signature(input, training: bool, input_grad: bool) -> dict[str, float]:
+    """What every rank must agree on before a collective (TRITONBN_DEBUG=1), besides the call and the layer."""
     ok = isinstance(input, torch.Tensor) and input.dim() >= 2
     return {
-        "pass": where,
         "channels": input.shape[1] if ok else -1,
         "ndim": input.dim() if ok else -1,
         "dtype": dtype_code(input.dtype) if ok else 0,
@@ -243,17 +242,18 @@ def batch_norm_backward(
     bias_grad: bool,
     residual_grad: bool,
     group_name: str,
+    layer: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward pass as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty.
 
     Training: local reductions of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only
     when the input needs a gradient), then dx and the residual's gradient in one pass. Eval:
     dx = dz * invstd * weight. ``residual`` / ``output`` are what the fused activation's gradient
-    is read from (see the module docstring).
+    is read from (see the module docstring). ``layer`` names the layer in debug-mode errors.
     """
     group = _resolve_name(group_name)
     if training and group is not None and debug_enabled():
-        check_signature(group, "backward", _signature(2, x, True, input_grad))
+        check_signature(group, "backward", _signature(x, True, input_grad), layer=layer)
     ops = ops_for(x)
     epilogue = {
         "bias": bias,
@@ -293,7 +293,7 @@ def batch_norm_backward(
 
 @batch_norm_backward.register_fake
 def _(grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
-      input_grad, weight_grad, bias_grad, residual_grad, group_name):  # fmt: skip
+      input_grad, weight_grad, bias_grad, residual_grad, group_name, layer=""):  # fmt: skip
     C = x.shape[1]
     gdtype = weight.dtype if weight is not None else compute_dtype(x.dtype)
     return (
@@ -313,7 +313,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-        activation, negative_slope, name,
+        activation, negative_slope, name, layer,
     ):  # fmt: skip
         y, mean, invstd, stats = torch.ops.tritonbn.batch_norm_forward(
             x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
@@ -328,7 +328,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 keep_residual = residual
         ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
         ctx.training, ctx.activation, ctx.negative_slope, ctx.group_name = training, activation, negative_slope, name
-        ctx.has_residual = residual is not None
+        ctx.has_residual, ctx.layer = residual is not None, layer
         return y
 
     @staticmethod
@@ -338,10 +338,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
         need_r = need_r and ctx.has_residual
         dx, dw, db, dr = torch.ops.tritonbn.batch_norm_backward(
             grad_out, x, weight, bias, mean, invstd, stats, residual, output, ctx.training, ctx.activation,
-            ctx.negative_slope, need_x, need_w, need_b, need_r, ctx.group_name,
+            ctx.negative_slope, need_x, need_w, need_b, need_r, ctx.group_name, ctx.layer,
         )  # fmt: skip
         grads = (dx if need_x else None, dw if need_w else None, db if need_b else None, dr if need_r else None)
-        return grads + (None,) * 9
+        return grads + (None,) * 10
 
 
 def batch_norm(
@@ -361,12 +361,14 @@ def batch_norm(
     negative_slope: float = 0.01,
     num_features: int | None = None,
     debug_group=None,
+    layer: str = "",
 ) -> torch.Tensor:
     """Checked entry point shared by :func:`sync_batch_norm` and the module.
 
     ``group`` (resolved) is what the statistics are synchronized over, ``None`` for this rank alone.
     ``debug_group`` (default ``group``) is what ``TRITONBN_DEBUG=1`` checks signatures over; the
     module passes its group there in eval too, so that a rank in eval while others train is caught.
+    ``layer`` is the layer's identity in those checks (the module passes its qualified name).
     """
     debug_group = group if debug_group is None else debug_group
     checking = debug_group is not None and not torch.compiler.is_compiling() and debug_enabled()
@@ -386,13 +388,15 @@ def batch_norm(
             raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
     except (ValueError, TypeError) as error:
         if checking:  # every rank stops here, instead of the others waiting in the next collective
-            check_signature(debug_group, "forward", _signature(1, input, training, input_grad), local_error=error)
+            check_signature(
+                debug_group, "forward", _signature(input, training, input_grad), local_error=error, layer=layer
+            )
         raise
     if checking:
-        check_signature(debug_group, "forward", _signature(1, input, training, input_grad))
+        check_signature(debug_group, "forward", _signature(input, training, input_grad), layer=layer)
     return SyncBatchNormFunction.apply(
         input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-        activation, float(negative_slope), group_name(group),
+        activation, float(negative_slope), group_name(group), layer,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn.modules import SyncBatchNorm, _move_state
+from tritonbn.modules import SyncBatchNorm, _move_state, name_layers
 
 _ACT_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu"}
 _ACT_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", torch.relu_: "relu", F.silu: "silu", F.leaky_relu: "leaky_relu"}
@@ -122,4 +122,5 @@ def fuse_batchnorm_activations(model: nn.Module) -> tuple[fx.GraphModule, list[s
         fused.append(f"{name} + add + {act[0]}" if add is not None else f"{name} + {act[0]}")
     gm.graph.lint()
     gm.recompile()
+    name_layers(gm)  # the fused modules' debug-mode identity: their qualified names
     return gm, fused

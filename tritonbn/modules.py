@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -12,6 +14,20 @@ from tritonbn.functional import batch_norm, check_inputs, check_momentum
 
 _ORIGINAL = "_tritonbn_original_class"
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_LAYER = "_tritonbn_layer"  # the layer's identity in TRITONBN_DEBUG=1 checks
+_built = itertools.count()
+
+
+def name_layers(root: nn.Module) -> None:
+    """Record the qualified name in ``root`` of each :class:`SyncBatchNorm` in it, as its debug-mode identity.
+
+    :func:`convert_sync_batchnorm` calls this; a later call (a conversion of an enclosing model)
+    renames the layers relative to the new root. ``root`` itself, having no name in itself, keeps
+    its construction index.
+    """
+    for name, module in root.named_modules():
+        if name and isinstance(module, SyncBatchNorm):
+            setattr(module, _LAYER, name)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -23,6 +39,13 @@ class SyncBatchNorm(_BatchNorm):
 
     ``activation`` (``None``, ``"relu"``, ``"leaky_relu"`` with ``negative_slope``, ``"silu"``) and
     ``forward(input, residual)`` fuse ``act(bn(input) + residual)`` into the kernels.
+
+    With ``TRITONBN_DEBUG=1`` each call is identified across ranks by a per-group call counter and
+    the layer's identity: its qualified name, such as ``"layer1.0.bn1"``, recorded by
+    :func:`convert_sync_batchnorm` (which also names modules built directly inside the model it
+    converts), or else its construction index in this process, such as ``"SyncBatchNorm#3"``. Both
+    are the same on every rank when every rank runs the same code; names also survive a rank
+    building extra modules (an EMA copy, a second model), which shifts construction indices.
     """
 
     def __init__(
@@ -46,6 +69,7 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self.activation = activation
         self.negative_slope = negative_slope
+        setattr(self, _LAYER, f"SyncBatchNorm#{next(_built)}")
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         """torch's BatchNorm hook; forward runs the same checks (and more) itself."""
@@ -80,6 +104,7 @@ class SyncBatchNorm(_BatchNorm):
             negative_slope=self.negative_slope,
             num_features=self.num_features,
             debug_group=group,
+            layer=getattr(self, _LAYER, ""),
         )
 
     @classmethod
@@ -126,6 +151,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         setattr(out, _ORIGINAL, type(module))
     for name, child in module.named_children():
         out.add_module(name, convert_sync_batchnorm(child, process_group))
+    name_layers(out)
     return out
 
 
