@@ -11,4 +11,6 @@ python=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install --quiet -e ".[test,plot,dev]"
+# The installed torch is pinned for the rest (lightning, in the test extras, depends on torch): pip keeps it.
+torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
+.venv/bin/python -m pip install --quiet -e ".[test,plot,dev]" "torch==$torch_version"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import fractions
 import json
 import os
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import load_ranks, save_rank, spawn
+from timm_standin import EfficientNetish, InvertedResidual
 from torch import nn
 
 import tritonbn
@@ -342,3 +344,37 @@ def test_recalibrate_a_fused_model_in_one_process():
     torch.testing.assert_close(block.bn.running_mean.double(), inputs.mean((0, 2)), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(block.bn.running_var.double(), inputs.var((0, 2)), atol=1e-5, rtol=1e-5)
     assert block.training and "forward" not in block.bn.__dict__
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["timm_layers", "converted"])
+def test_recalibrate_runs_every_layers_own_forward(converted):
+    """timm's BatchNormAct2d (and what it converts to) keep their activation while recalibrating."""
+    blocks = [InvertedResidual(act_layer=nn.ReLU), InvertedResidual(act_layer=lambda inplace=False: nn.GELU())]
+    torch.manual_seed(6)
+    model = EfficientNetish(blocks)
+    reference = copy.deepcopy(model)
+    if converted:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model = tritonbn.convert_sync_batchnorm(model)
+    batches = [torch.randn(3, 3, 5, 7) * 2 + 1 for _ in range(2)]
+    assert tritonbn.recalibrate_batchnorm(model, batches) == 2
+
+    inputs = {}  # the oracle: each BatchNorm's inputs in torch's own training forward
+    hooks = [
+        m.register_forward_pre_hook(lambda m, args, name=name: inputs.setdefault(name, []).append(args[0].double()))
+        for name, m in reference.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+    reference.train()
+    with torch.no_grad():
+        for x in batches:
+            reference(x)
+    for h in hooks:
+        h.remove()
+    assert len(inputs) == 8
+    for name, xs in inputs.items():
+        bn, x = model.get_submodule(name), torch.cat(xs)
+        torch.testing.assert_close(bn.running_mean.double(), x.mean((0, 2, 3)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(bn.running_var.double(), x.var((0, 2, 3)), atol=1e-5, rtol=1e-5)
+        assert int(bn.num_batches_tracked) == 2

@@ -62,6 +62,41 @@ def test_constructor_errors():
         tritonbn.SyncBatchNorm(3, momentum=1.5)
 
 
+ARGUMENTS = [
+    # (training, eps, momentum): torch's F.batch_norm decides which are errors, and what the output is
+    (True, 0.0, 0.1),  # eps must be positive in training
+    (True, -1e-3, 0.1),
+    (True, 1e-5, 0.1),
+    (False, 0.0, 0.1),  # eps = 0 is fine in eval
+    (False, -1e-3, 0.1),  # negative eps is not
+    (False, 1e-5, -1.0),  # momentum is unused in eval: not checked
+    (False, 1e-5, 7.0),
+]
+
+
+@pytest.mark.parametrize("training, eps, momentum", ARGUMENTS)
+def test_eps_and_momentum_checks_as_torch(backend_name, training, eps, momentum):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 3, 5, generator=g)
+    rm, rv = torch.randn(3, generator=g), torch.rand(3, generator=g) + 0.5
+    ref_rm, ref_rv = rm.double(), rv.double()
+    try:
+        want = torch.nn.functional.batch_norm(x.double(), ref_rm, ref_rv, None, None, training, momentum, eps)
+    except ValueError as e:
+        want = e
+    if isinstance(want, ValueError):
+        with pytest.raises(ValueError, match=re.escape(str(want))):
+            tritonbn.sync_batch_norm(x, rm.clone(), rv.clone(), None, None, training, momentum, eps)
+        bn = tritonbn.SyncBatchNorm(3, eps=eps).train(training)
+        with pytest.raises(ValueError, match=re.escape(str(want).split(", but")[0])):
+            bn(x)
+        return
+    got = tritonbn.sync_batch_norm(x, rm, rv, None, None, training, momentum, eps)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rm.double(), ref_rm, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rv.double(), ref_rv, atol=1e-6, rtol=1e-6)
+
+
 def test_momentum_set_after_construction(backend_name):
     bn = tritonbn.SyncBatchNorm(3)
     bn.momentum = -0.1

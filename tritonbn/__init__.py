@@ -7,6 +7,7 @@
 * :mod:`tritonbn.diagnose`, :func:`sync_running_stats`, :func:`recalibrate_batchnorm`: find and
   repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
+* :mod:`tritonbn.lightning`: the Lightning plugin ``TritonSyncBatchNorm`` (imported on first use).
 
 Set ``TRITONBN_BACKEND=auto|triton|torch`` to choose the implementation (see :mod:`tritonbn.backend`).
 """
@@ -18,6 +19,15 @@ from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.modules import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "lightning":  # imports Lightning, so only when asked for
+        import importlib
+
+        return importlib.import_module("tritonbn.lightning")
+    raise AttributeError(f"module 'tritonbn' has no attribute {name!r}")
+
 
 __all__ = [
     "SyncBatchNorm",

@@ -13,17 +13,20 @@ repairs it:
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
 
 from tritonbn.distributed import check_signature, collective_device, debug_enabled, resolve_group
-from tritonbn.modules import SyncBatchNorm
+from tritonbn.modules import _PLAIN, SyncBatchNorm
 
 # A layer is in sync when, per channel, max - min across ranks <= ATOL + RTOL * max(|max|, |min|).
 ATOL = 1e-6
@@ -255,6 +258,31 @@ def sync_running_stats(model: nn.Module, process_group=None) -> int:
     return len(layers)
 
 
+class _BatchNormCalls(TorchFunctionMode):
+    """Routes ``F.batch_norm`` calls made directly inside a BatchNorm layer's own forward to ``normalize``.
+
+    ``enter``/``leave`` are that layer's forward pre- and post-hooks; calls outside such a layer pass through.
+    """
+
+    def __init__(self, normalize):
+        super().__init__()
+        self.normalize, self.stack = normalize, []
+
+    def enter(self, module, args):
+        self.stack.append(module)
+
+    def leave(self, module, args, output):
+        self.stack.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.batch_norm or not self.stack:
+            return func(*args, **kwargs)
+        # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps): the
+        # layer's own parameters are used, as in its forward; only the statistics change.
+        return self.normalize(self.stack[-1], args[0] if args else kwargs["input"])
+
+
 def _default_forward(model: nn.Module, batch):
     if isinstance(batch, torch.Tensor):
         return model(batch)
@@ -275,7 +303,9 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
     gives every layer ``running_mean`` / ``running_var`` equal to the mean and unbiased variance of
     the union of all ranks' batches, and ``num_batches_tracked`` the number of batches. That is
     exact for a layer whose input does not depend on other BatchNorm layers (the first one); later
-    layers see inputs normalized with per-batch statistics, as in training.
+    layers see inputs normalized with per-batch statistics, as in training. Every layer runs its own
+    forward (timm's ``BatchNormAct2d`` applies its ``drop`` and ``act``, a fused tritonbn module its
+    epilogue); only the normalization inside it changes.
 
     ``forward(model, batch)`` runs one batch (default: ``model(batch)`` for a tensor,
     ``model(batch[0])`` for a tuple or list, ``model(**batch)`` for a dict). The training mode of
@@ -285,6 +315,7 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
     from tritonbn.backend import ops_for
     from tritonbn.functional import batch_norm
 
+    count = 0
     forward = forward or _default_forward
     root = unwrap(model)
     layers = batchnorm_modules(root)
@@ -292,46 +323,59 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
     modes = [(m, m.training) for m in root.modules()]
     sums: dict[int, torch.Tensor] = {}
 
-    def patched(m: _BatchNorm):
-        epilogue = {"activation": getattr(m, "activation", None), "negative_slope": getattr(m, "negative_slope", 0.01)}
+    def normalize(m: _BatchNorm, x, residual=None, activation=None, negative_slope=0.01):
+        """Batch norm over ``group`` with the batch statistics, accumulating ``m``'s input sums."""
+        stats = ops_for(x).batch_norm_stats(x)
+        sums[id(m)] = stats if id(m) not in sums else sums[id(m)] + stats
+        return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group, residual=residual,
+                          activation=activation, negative_slope=negative_slope)  # fmt: skip
 
-        def fwd(x, residual=None):  # a fused tritonbn module also takes the residual
-            stats = ops_for(x).batch_norm_stats(x)
-            sums[id(m)] = stats if id(m) not in sums else sums[id(m)] + stats
-            return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group, residual=residual,
-                              **epilogue)  # fmt: skip
-
-        return fwd
-
-    count = 0
-    try:
-        root.train()
-        for _, m in layers:
-            m.forward = patched(m)
-        for batch in batches:
-            forward(model, batch)
-            count += 1
-    finally:
-        for _, m in layers:
-            m.__dict__.pop("forward", None)
-        for m, training in modes:
-            m.training = training
+    # Every layer runs its own forward; only the batch norm inside it is replaced by `normalize`:
+    # torch's own classes compute nothing else, tritonbn's call `_normalize` (fused epilogue, then
+    # drop/act for SyncBatchNormAct), and other subclasses (timm's BatchNormAct2d) call F.batch_norm.
+    restore = []
+    with _BatchNormCalls(normalize) as calls:
+        try:
+            root.train()
+            for _, m in layers:
+                if isinstance(m, SyncBatchNorm):
+                    m._normalize = functools.partial(normalize, m, activation=m.activation,
+                                                     negative_slope=m.negative_slope)  # fmt: skip
+                    restore.append((m, "_normalize"))
+                elif type(m) in _PLAIN:
+                    m.forward = functools.partial(normalize, m)
+                    restore.append((m, "forward"))
+                else:
+                    restore += [(m.register_forward_pre_hook(calls.enter), None),
+                                (m.register_forward_hook(calls.leave, always_call=True), None)]  # fmt: skip
+            for batch in batches:
+                forward(model, batch)
+                count += 1
+        finally:
+            for m, name in restore:
+                if name is None:
+                    m.remove()
+                else:
+                    m.__dict__.pop(name, None)
+            for m, training in modes:
+                m.training = training
 
     tracked = _tracked(root)
     if not tracked:
         return count
     device = collective_device(group)
     packed = torch.cat(
-        [sums.get(id(m), torch.zeros(3, m.num_features, dtype=torch.float64)).to(device).flatten() for _, m in tracked]
+        [sums.get(id(m), torch.zeros(2 * m.num_features + 1, dtype=torch.float64)).to(device) for _, m in tracked]
     )
     if group is not None:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for _, m in tracked:
         C = m.num_features
-        s1, s2, n = packed[offset : offset + 3 * C].view(3, C).to(m.running_mean.device)
-        offset += 3 * C
-        if not (n > 0).all():
+        layer = packed[offset : offset + 2 * C + 1].to(m.running_mean.device)  # [sum x | sum x^2 | count]
+        s1, s2, n = layer[:C], layer[C : 2 * C], layer[2 * C]
+        offset += 2 * C + 1
+        if not n > 0:
             continue
         mean = s1 / n
         var = ((s2 - n * mean * mean) / (n - 1).clamp_min(1)).clamp_min(0)

@@ -78,8 +78,13 @@ def check_inputs(
     num_batches_tracked: torch.Tensor | None = None,
     num_features: int | None = None,
     residual: torch.Tensor | None = None,
+    training: bool = True,
 ) -> None:
-    """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone."""
+    """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone.
+
+    As in torch, ``eps`` must be positive in training and non-negative in eval, and ``momentum``
+    (unused in eval) is only checked in training.
+    """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a tensor, got {type(input).__name__}")
     if input.dim() < 2 or input.dim() > 5:
@@ -95,9 +100,12 @@ def check_inputs(
         _check_vector(name, t, C, input)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be tensors or both be None")
-    check_momentum(momentum)
-    if not float(eps) >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    if training:
+        check_momentum(momentum)
+        if not float(eps) > 0.0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    elif not float(eps) >= 0.0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
     if residual is not None:
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"residual must be a tensor shaped like input or None, got {type(residual).__name__}")
@@ -374,9 +382,8 @@ def batch_norm(
     checking = debug_group is not None and not torch.compiler.is_compiling() and debug_enabled()
     input_grad = isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled()
     try:
-        check_inputs(
-            input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features, residual
-        )
+        check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features,
+                     residual, training=training)  # fmt: skip
         check_activation(activation, negative_slope)
         if not training and running_mean is None:
             raise ValueError("running_mean and running_var are required when training=False")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritonbn.activations import check_activation
@@ -13,6 +14,7 @@ from tritonbn.distributed import resolve_group
 from tritonbn.functional import batch_norm, check_inputs, check_momentum
 
 _ORIGINAL = "_tritonbn_original_class"
+_TEMPLATE = "_tritonbn_original_module"  # a converted subclass instance, given back by revert
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _LAYER = "_tritonbn_layer"  # the layer's identity in TRITONBN_DEBUG=1 checks
 _built = itertools.count()
@@ -33,7 +35,8 @@ def name_layers(root: nn.Module) -> None:
 class SyncBatchNorm(_BatchNorm):
     """Batch norm over the global batch of ``process_group``, for inputs ``(N, C, *S)`` of rank 2 to 5.
 
-    Same constructor, parameters, buffers and ``state_dict`` keys as ``torch.nn.SyncBatchNorm``.
+    Same constructor, parameters, buffers and ``state_dict`` keys as ``torch.nn.SyncBatchNorm``
+    (``bias=False`` with ``affine=True``: a weight without a bias).
     Training synchronizes the statistics with one all-reduce per pass; eval uses the running
     statistics (or, with ``track_running_stats=False``, this rank's batch) and communicates nothing.
 
@@ -46,6 +49,8 @@ class SyncBatchNorm(_BatchNorm):
     converts), or else its construction index in this process, such as ``"SyncBatchNorm#3"``. Both
     are the same on every rank when every rank runs the same code; names also survive a rank
     building extra modules (an EMA copy, a second model), which shifts construction indices.
+
+    Under ``torch.fx`` (any tracer) the module is a leaf: one ``call_module`` node.
     """
 
     def __init__(
@@ -58,6 +63,8 @@ class SyncBatchNorm(_BatchNorm):
         process_group=None,
         device=None,
         dtype=None,
+        *,
+        bias: bool = True,
         activation: str | None = None,
         negative_slope: float = 0.01,
     ) -> None:
@@ -66,6 +73,8 @@ class SyncBatchNorm(_BatchNorm):
         check_momentum(momentum)
         check_activation(activation, negative_slope)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        if affine and not bias:  # torch's bias=False: a weight without a bias (any torch version)
+            self.register_parameter("bias", None)
         self.process_group = process_group
         self.activation = activation
         self.negative_slope = negative_slope
@@ -73,7 +82,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         """torch's BatchNorm hook; forward runs the same checks (and more) itself."""
-        check_inputs(input, None, None, None, None, self.momentum, self.eps, num_features=self.num_features)
+        check_inputs(input, None, None, None, None, self.momentum, self.eps, training=self.training,
+                     num_features=self.num_features)  # fmt: skip
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
@@ -84,6 +94,13 @@ class SyncBatchNorm(_BatchNorm):
         return text
 
     def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        traced = trace_as_leaf(self, input, residual)
+        if traced is not None:
+            return traced
+        return self._normalize(input, residual)
+
+    def _normalize(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch norm with its fused epilogue (what subclasses and recalibration build on)."""
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         tracking = not self.training or self.track_running_stats
         # Eval communicates nothing (with track_running_stats=False it uses this rank's own batch).
@@ -108,9 +125,44 @@ class SyncBatchNorm(_BatchNorm):
         )
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None, *, strict: bool = False) -> nn.Module:
         """Same as :func:`tritonbn.convert_sync_batchnorm`."""
-        return convert_sync_batchnorm(module, process_group)
+        return convert_sync_batchnorm(module, process_group, strict=strict)
+
+
+class SyncBatchNormAct(SyncBatchNorm):
+    """:class:`SyncBatchNorm` followed by its children ``drop`` and ``act``: ``act(drop(bn(x)))``.
+
+    What timm's ``BatchNormAct2d`` and ``SyncBatchNormAct`` become when their ``act`` or ``drop`` is
+    not one the kernels fuse (the same children, so the same ``state_dict``).
+    """
+
+    def __init__(self, *args, drop: nn.Module | None = None, act: nn.Module | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act if act is not None else nn.Identity()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        traced = trace_as_leaf(self, input)
+        if traced is not None:
+            return traced
+        return self.act(self.drop(self._normalize(input)))
+
+
+def trace_as_leaf(module: nn.Module, *args) -> fx.Proxy | None:
+    """Under ``torch.fx``, record ``module(*args)`` as one ``call_module`` node and return its proxy.
+
+    fx's default tracer only keeps ``torch.nn`` modules whole; any other tracer (a subclass with its
+    own ``is_leaf_module``, such as torchvision's feature extractor) calls ``forward`` with proxies.
+    Returns ``None`` outside tracing. Trailing ``None`` arguments are left out of the node.
+    """
+    proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
+    if proxy is None:
+        return None
+    while args and args[-1] is None:
+        args = args[:-1]
+    tracer = proxy.tracer
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
 
 
 def _move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
@@ -128,59 +180,161 @@ def _move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
     return dst
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
+def _bias_kwargs(module: _BatchNorm) -> dict:
+    """``bias=False`` when ``module`` has a weight without a bias (passed only then, for older torch)."""
+    return {"bias": False} if module.affine and module.bias is None else {}
+
+
+# --- conversion of torch's and timm's batch norms ----------------------------------------------------
+
+_TIMM_NORM_ACT = ("BatchNormAct2d", "SyncBatchNormAct")  # timm.layers.norm_act, recognised by structure
+_FUSED_ACTS = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu", nn.Identity: None}
+
+
+def _forward_owner(module: nn.Module) -> type:
+    """The class whose ``forward`` the module runs."""
+    return next(c for c in type(module).__mro__ if "forward" in c.__dict__)
+
+
+def is_timm_norm_act(module: nn.Module) -> bool:
+    """timm's ``BatchNormAct2d`` / ``SyncBatchNormAct``: a BatchNorm that runs timm's forward,
+    ``act(drop(batch_norm(x)))``, with exactly the children ``drop`` and ``act``. timm is not imported.
+    """
+    return (
+        isinstance(module, _BatchNorm)
+        and not isinstance(module, SyncBatchNorm)
+        and _forward_owner(module).__name__ in _TIMM_NORM_ACT
+        and {name for name, _ in module.named_children()} == {"drop", "act"}
+    )
+
+
+def fused_activation(module: nn.Module) -> tuple[str | None, float] | None:
+    """``(activation, negative_slope)`` the kernels compute for a timm norm-act layer, or ``None``
+    when its ``drop`` or ``act`` is not one they fuse (only ``nn.Identity`` drop; ReLU, LeakyReLU,
+    SiLU or Identity act).
+    """
+    if not is_timm_norm_act(module) or type(module.drop) is not nn.Identity or type(module.act) not in _FUSED_ACTS:
+        return None
+    return _FUSED_ACTS[type(module.act)], float(getattr(module.act, "negative_slope", 0.01))
+
+
+def _why_not_converted(module: nn.Module) -> str | None:
+    """Why ``module``, a BatchNorm, cannot become a tritonbn module that computes the same; ``None`` if it can."""
+    if type(module) in _PLAIN or is_timm_norm_act(module):
+        return None
+    if not isinstance(module, _PLAIN):
+        return "not a BatchNorm1d/2d/3d or SyncBatchNorm"
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+        return "uninitialized lazy module"
+    if _forward_owner(module) not in _PLAIN and _forward_owner(module) is not _BatchNorm:
+        return f"own forward ({_forward_owner(module).__name__}.forward)"
+    if next(module.children(), None) is not None:
+        return "has child modules"
+    return None
+
+
+def _synced(module: _BatchNorm, process_group, cls: type[SyncBatchNorm] = SyncBatchNorm, **kwargs) -> SyncBatchNorm:
+    out = cls(
+        module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group,
+        device="meta", **_bias_kwargs(module), **kwargs,
+    )  # fmt: skip
+    _move_state(module, out)
+    setattr(out, _ORIGINAL, type(module))
+    if type(module) not in _PLAIN:  # a subclass: revert gives this very module back, with the current state
+        object.__setattr__(out, _TEMPLATE, module)
+    return out
+
+
+def _converted(module: _BatchNorm, process_group) -> SyncBatchNorm:
+    """The tritonbn module computing what ``module`` computes (see :func:`_why_not_converted`)."""
+    if not is_timm_norm_act(module):
+        return _synced(module, process_group)
+    fused = fused_activation(module)
+    if fused is not None:
+        return _synced(module, process_group, activation=fused[0], negative_slope=fused[1])
+    return _synced(module, process_group, SyncBatchNormAct, drop=module.drop, act=module.act)
+
+
+def unconverted_batchnorms(module: nn.Module) -> list[str]:
+    """``"name (Class: reason)"`` for every BatchNorm that :func:`convert_sync_batchnorm` leaves alone."""
+    return [
+        f"{name or '<root>'} ({type(m).__name__}: {why})"
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, SyncBatchNorm) and (why := _why_not_converted(m))
+    ]
+
+
+def _convert(module: nn.Module, process_group) -> nn.Module:
+    out = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm) and _why_not_converted(module) is None:
+        out = _converted(module, process_group)
+    for name, child in module.named_children():
+        out.add_module(name, _convert(child, process_group))
+    return out
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group=None, *, strict: bool = False) -> nn.Module:
     """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by :class:`SyncBatchNorm`.
 
     The new modules share the original parameters and buffers (so device, dtype,
     ``requires_grad`` and optimizer references are kept) and the training mode, and remember the
     original class for :func:`revert_sync_batchnorm`. Other norms are left alone. Returns the
     converted module (``module`` itself, changed in place, unless ``module`` is a batch norm).
+
+    Conversion never changes what a layer computes. A subclass that keeps torch's forward and has
+    no children converts like its base class. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct``
+    (recognised by structure) become a :class:`SyncBatchNorm` with the fused activation when their
+    ``act`` is ReLU, LeakyReLU, SiLU or Identity and their ``drop`` is Identity, and a
+    :class:`SyncBatchNormAct` (the same ``drop`` and ``act`` children, applied after the kernels)
+    otherwise. Any other BatchNorm (its own forward, child modules, another base class) is left
+    alone, with one warning naming those layers, or a ``ValueError`` before anything changes when
+    ``strict=True``.
     """
-    out = module
-    if isinstance(module, _PLAIN) and not isinstance(module, SyncBatchNorm):
-        out = SyncBatchNorm(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            process_group,
-            device="meta",
+    left = unconverted_batchnorms(module)
+    if left:
+        message = (
+            f"convert_sync_batchnorm left {len(left)} BatchNorm layer(s) unconverted, since tritonbn cannot "
+            f"compute what they compute; they will not synchronize across ranks: {', '.join(left)}"
         )
-        _move_state(module, out)
-        setattr(out, _ORIGINAL, type(module))
-    for name, child in module.named_children():
-        out.add_module(name, convert_sync_batchnorm(child, process_group))
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
+    out = _convert(module, process_group)
     name_layers(out)
     return out
+
+
+def _reverted(module: SyncBatchNorm, default: type[_BatchNorm]) -> _BatchNorm:
+    template = module.__dict__.get(_TEMPLATE)
+    if template is not None:  # a converted subclass: the very original module, with the current state
+        template.eps, template.momentum = module.eps, module.momentum
+        if isinstance(template, nn.SyncBatchNorm):
+            template.process_group = module.process_group
+        return _move_state(module, template)
+    if module.activation is not None:
+        raise ValueError(
+            f"cannot revert a SyncBatchNorm with a fused activation ({module.activation!r}) to a plain BatchNorm; "
+            "rebuild the model without fusion first"
+        )
+    cls = getattr(module, _ORIGINAL, default)
+    kwargs = {"process_group": module.process_group} if issubclass(cls, nn.SyncBatchNorm) else {}
+    out = cls(
+        module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, device="meta",
+        **kwargs, **_bias_kwargs(module),
+    )  # fmt: skip
+    return _move_state(module, out)
 
 
 def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] = nn.BatchNorm2d) -> nn.Module:
     """Replace every :class:`SyncBatchNorm` in ``module`` by the class it was converted from.
 
     A module built directly as ``tritonbn.SyncBatchNorm`` (no original class recorded) becomes
-    ``default``. Parameters, buffers and training mode are shared, as in the conversion. A module
-    with a fused activation has no plain equivalent: reverting it raises a ``ValueError``.
+    ``default``. Parameters, buffers and training mode are shared, as in the conversion. A converted
+    subclass (such as timm's ``BatchNormAct2d``, with its ``drop`` and ``act``) becomes its original
+    module again. A module with a fused activation that was not converted from such a layer has no
+    plain equivalent: reverting it raises a ``ValueError``.
     """
-    out = module
-    if isinstance(module, SyncBatchNorm):
-        if module.activation is not None:
-            raise ValueError(
-                f"cannot revert a SyncBatchNorm with a fused activation ({module.activation!r}) to a plain BatchNorm; "
-                "rebuild the model without fusion first"
-            )
-        cls = getattr(module, _ORIGINAL, default)
-        kwargs = {"process_group": module.process_group} if issubclass(cls, nn.SyncBatchNorm) else {}
-        out = cls(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            device="meta",
-            **kwargs,
-        )
-        _move_state(module, out)
+    out = _reverted(module, default) if isinstance(module, SyncBatchNorm) else module
     for name, child in module.named_children():
         out.add_module(name, revert_sync_batchnorm(child, default))
     return out

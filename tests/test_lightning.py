@@ -1,0 +1,60 @@
+"""tritonbn.lightning: a LayerSync plugin for whichever Lightning namespace is installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+NAMESPACES = ["lightning.pytorch", "pytorch_lightning"]
+
+
+def test_import_tritonbn_does_not_import_lightning():
+    code = "import sys, tritonbn; assert not {'lightning', 'pytorch_lightning'} & set(sys.modules); tritonbn.lightning"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_plugin_is_a_layer_sync_of_each_namespace(namespace):
+    import importlib
+
+    import tritonbn
+    import tritonbn.lightning
+
+    layer_sync = importlib.import_module(f"{namespace}.plugins.layer_sync").LayerSync
+    plugin = tritonbn.lightning.TritonSyncBatchNorm()
+    assert isinstance(plugin, layer_sync)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    weight = model[1].weight
+    converted = plugin.apply(model)
+    assert type(converted[1]) is tritonbn.SyncBatchNorm and converted[1].weight is weight
+    assert type(plugin.revert(converted)[1]) is nn.BatchNorm2d
+    trainer_cls = importlib.import_module(namespace).Trainer  # Lightning accepts it as its layer sync
+    trainer = trainer_cls(accelerator="cpu", devices=1, plugins=[plugin], logger=False, enable_progress_bar=False)
+    assert trainer._accelerator_connector._layer_sync is plugin
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("namespace", NAMESPACES[:1])  # the other namespace's Trainer: see above
+def test_two_process_ddp_trainer(namespace):
+    script = os.path.join(os.path.dirname(__file__), "lightning_ddp.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as out:
+        result = subprocess.run([sys.executable, script, out, namespace], env=env, capture_output=True, text=True,
+                                timeout=300)  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    for r in ranks:
+        assert r["world"] == 2
+        assert r["seen"] == ["SyncBatchNorm"] * 3, "the plugin converted before training"
+        assert r["after"] == "BatchNorm1d", "and reverted after it"
+        assert int(r["num_batches_tracked"]) == 3
+    for key in ("running_mean", "running_var"):
+        assert torch.equal(ranks[0][key], ranks[1][key]), f"{key} differs across ranks"
+    assert not torch.equal(ranks[0]["running_mean"], torch.zeros(4)), "statistics were tracked"
