@@ -28,7 +28,7 @@ import torch
 _GPU_TILE = 2048
 _CPU_TILE = 4096
 _CPU_PROGRAMS = 4
-_MERGE_TILE = 4096  # elements of the [BLOCK_R, BLOCK_C] tile the last program merges partials with
+_MERGE_TILE = 2048  # elements of the [BLOCK_R, BLOCK_C] tile the last program merges partials with
 _PROGRAMS_PER_SM = 4
 _INT32_MAX = 2**31 - 1
 
@@ -138,20 +138,24 @@ def tickets(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor) -> Plan:
+def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1) -> Plan:
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
 
     All ``tensors`` have the logical ``shape`` ``(N, C, *S)``; they may have different strides.
-    Plans are cached by shape, strides and device.
+    Plans are cached by shape, strides and device. ``tile_scale`` multiplies the tile: a read-only
+    reduction (the forward statistics) takes twice the elements per thread, which spreads its loop
+    overhead over more elements.
     """
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
     kind = _device_kind(tensors[0].device)
-    return _plan(tuple(int(d) for d in shape), tuple(t.stride() for t in tensors), kind)
+    return _plan(tuple(int(d) for d in shape), tuple(t.stride() for t in tensors), kind, tile_scale)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple[str, int]) -> Plan:
+def _plan(
+    shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple[str, int], tile_scale: int = 1
+) -> Plan:
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
     dims = [(shape[0], [st[0] for st in all_strides])]
@@ -171,12 +175,13 @@ def _plan(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind
         raise ValueError(f"tritonbn supports inputs of rank 2 to 5, got shape {tuple(shape)}")
     inner_size, inner_strides = merged[-1]
     outer_dims = merged[:-1]
-    outer_dims = [(1, [0] * len(all_strides))] * (3 - len(outer_dims)) + outer_dims
+    # The outermost real dim is o0, which the kernels get without a division; unused dims have size 1.
+    outer_dims = outer_dims + [(1, [0] * len(all_strides))] * (3 - len(outer_dims))
     (o0, s0), (o1, s1), (o2, s2) = outer_dims
     outer = o0 * o1 * o2
     strides = tuple((st[1], s0[k], s1[k], s2[k], inner_strides[k]) for k, st in enumerate(all_strides))
 
-    tile = _GPU_TILE if kind[0] == "cuda" else _CPU_TILE
+    tile = (_GPU_TILE if kind[0] == "cuda" else _CPU_TILE) * tile_scale
     c_pow2 = _next_pow2(C)
     channels_fastest = all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
     if channels_fastest:  # channels_last: lanes along C are contiguous

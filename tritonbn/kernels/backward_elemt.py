@@ -28,7 +28,8 @@ from tritonbn.kernels.elemt import empty_like_layout
 from tritonbn.kernels.stats import acc_dtype
 
 
-@triton.jit
+# One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).
+@triton.jit(do_not_specialize=["tiles_per_prog"])
 def _batch_norm_backward_elemt_kernel(
     # pointers
     dy_ptr,  # (N, C, *S)

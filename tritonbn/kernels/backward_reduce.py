@@ -35,7 +35,9 @@ from tritonbn.kernels._layout import plan, tickets
 from tritonbn.kernels.stats import acc_dtype
 
 
-@triton.jit
+# One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
+# specialize arguments equal to 1 and drop the loop).
+@triton.jit(do_not_specialize=["tiles_per_prog", "R"])
 def _batch_norm_backward_reduce_kernel(
     # pointers
     dy_ptr,  # (N, C, *S)

@@ -40,7 +40,8 @@ from tritonbn.kernels._layout import plan, tickets
 from tritonbn.kernels.stats import acc_dtype
 
 
-@triton.jit
+# One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).
+@triton.jit(do_not_specialize=["tiles_per_prog"])
 def _batch_norm_elemt_kernel(
     # pointers
     x_ptr,  # (N, C, *S)

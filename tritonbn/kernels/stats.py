@@ -29,7 +29,9 @@ from tritonbn.kernels._common import take_ticket, tile_mask, tile_next, tile_off
 from tritonbn.kernels._layout import plan, tickets
 
 
-@triton.jit
+# One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
+# specialize arguments equal to 1 and drop the loop).
+@triton.jit(do_not_specialize=["tiles_per_prog", "R"])
 def _batch_norm_stats_kernel(
     # pointers
     x_ptr,  # (N, C, *S), any strides
@@ -138,7 +140,7 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
         :func:`batch_norm_elemt` turns them into mean and var, and ``stats[-1:]`` is the count
         :func:`batch_norm_backward_elemt` takes.
     """
-    layout = plan(x.shape, x)
+    layout = plan(x.shape, x, tile_scale=2)
     C, R = layout.C, layout.r_progs
     acc = acc_dtype(x)
     part = torch.empty((2, R, C), dtype=torch.float64 if acc == tl.float64 else torch.float32, device=x.device)
