@@ -147,6 +147,88 @@ def _resolve_name(name: str):
     return _resolve_process_group(name)
 
 
+def _stats_shape(C: int) -> tuple[int, ...]:
+    """Shape of the packed forward statistics ``[sum x | sum x^2 | count]`` of ``C`` channels."""
+    return (3, C)
+
+
+def _kept_for_backward(y, residual, activation, negative_slope):
+    """``(residual, output)``: what backward reads act'(z) from (see the module docstring), or ``None``."""
+    if activation is None or residual is None:
+        return None, None
+    if output_gives_grad(activation, negative_slope):
+        return None, y
+    return residual, None
+
+
+# --- The two passes as plain functions of tensors: the eager Function and the custom ops both call them.
+
+
+def forward_pass(
+    ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
+    activation, negative_slope, group,
+):  # fmt: skip
+    """The forward pass over the launchers in ``ops``: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
+
+    Training: local stats, the one all-reduce over ``group`` (``None``: no communication), then
+    ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the global
+    packed ``[sum x | sum x^2 | count]``. A forward that runs inside a backward pass (an
+    activation-checkpointing recompute) leaves the running statistics alone.
+    """
+    if not training:
+        y, mean, invstd = ops.batch_norm_elemt(
+            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps, residual=residual,
+            activation=activation, negative_slope=negative_slope,
+        )  # fmt: skip
+        return y, mean, invstd, None
+    if in_backward():
+        running_mean = running_var = num_batches_tracked = None
+    stats = ops.batch_norm_stats(x)
+    if group is not None:
+        all_reduce_sum(stats, group)
+    y, mean, invstd = ops.batch_norm_elemt(
+        x, weight, bias, stats=stats, running_mean=running_mean, running_var=running_var,
+        num_batches_tracked=num_batches_tracked, momentum=momentum, eps=eps, residual=residual,
+        activation=activation, negative_slope=negative_slope,
+    )  # fmt: skip
+    return y, mean, invstd, stats
+
+
+def backward_pass(
+    ops, grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
+    input_grad, weight_grad, bias_grad, residual_grad, group,
+):  # fmt: skip
+    """The backward pass over the launchers in ``ops``: ``(dx, dweight, dbias, dresidual)``, ``None`` if not asked for.
+
+    Training: local reductions of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only
+    when the input needs a gradient), then dx and the residual's gradient in one pass. Eval:
+    dx = dz * invstd * weight. ``residual`` / ``output`` are what the fused activation's gradient
+    is read from (see the module docstring).
+    """
+    if training and group is not None and debug_enabled():
+        check_signature(group, "backward", _signature(2, x, True, input_grad))
+    sums = dx = dw = db = dr = None
+    if weight_grad or bias_grad or (input_grad and training):
+        sums, dw, db = ops.batch_norm_backward_reduce(
+            grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad, bias=bias,
+            activation=activation, negative_slope=negative_slope, residual=residual, output=output,
+        )  # fmt: skip
+    if input_grad or residual_grad:
+        if input_grad and training and group is not None:
+            all_reduce_sum(sums, group)
+        if residual_grad:
+            dr = torch.empty_like(x)
+        dx = ops.batch_norm_backward_elemt(
+            grad_out, x, mean, invstd, weight, sums if training else None, stats[-1:] if training else None,
+            bias=bias, activation=activation, negative_slope=negative_slope, residual=residual, output=output,
+            input_grad=input_grad, out_grad_residual=dr,
+        )  # fmt: skip
+    return dx, dw, db, dr
+
+
+# --- The compiled path: custom ops that torch.compile traces (and keeps whole, collectives inside). ---
+
+
 @torch.library.custom_op(
     "tritonbn::batch_norm_forward", mutates_args=("running_mean", "running_var", "num_batches_tracked")
 )
@@ -165,38 +247,16 @@ def batch_norm_forward(
     negative_slope: float,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward pass as one op: ``(y, mean, invstd, stats)``.
+    """:func:`forward_pass` as one op, over the group named ``group_name`` ("" for none): ``(y, mean, invstd, stats)``.
 
-    Training: local stats, the one all-reduce over the group named ``group_name`` ("" for none),
-    then ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the
-    ``(3, C)`` global ``[sum x | sum x^2 | count]``; in eval it is left uninitialized. A forward that
-    runs inside a backward pass (an activation-checkpointing recompute) leaves the running
-    statistics alone.
+    In eval ``stats`` is left uninitialized (an op returns tensors).
     """
-    ops = ops_for(x)
-    epilogue = {"residual": residual, "activation": activation, "negative_slope": negative_slope}
-    if training:
-        if in_backward():
-            running_mean = running_var = num_batches_tracked = None
-        stats = ops.batch_norm_stats(x)
-        all_reduce_sum(stats, _resolve_name(group_name))
-        y, mean, invstd = ops.batch_norm_elemt(
-            x,
-            weight,
-            bias,
-            stats=stats,
-            running_mean=running_mean,
-            running_var=running_var,
-            num_batches_tracked=num_batches_tracked,
-            momentum=momentum,
-            eps=eps,
-            **epilogue,
-        )
-    else:
-        stats = torch.empty((3, x.shape[1]), dtype=torch.float64, device=x.device)
-        y, mean, invstd = ops.batch_norm_elemt(
-            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps, **epilogue
-        )
+    y, mean, invstd, stats = forward_pass(
+        ops_for(x), x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum,
+        eps, activation, negative_slope, _resolve_name(group_name),
+    )  # fmt: skip
+    if stats is None:
+        stats = x.new_empty(_stats_shape(x.shape[1]), dtype=torch.float64)
     return y, mean, invstd, stats
 
 
@@ -207,7 +267,7 @@ def _(x, weight, bias, running_mean, running_var, num_batches_tracked, residual,
         torch.empty_like(x),
         x.new_empty(C, dtype=torch.float64),
         x.new_empty(C, dtype=torch.float32),
-        x.new_empty((3, C), dtype=torch.float64),
+        x.new_empty(_stats_shape(C), dtype=torch.float64),
     )
 
 
@@ -231,51 +291,12 @@ def batch_norm_backward(
     residual_grad: bool,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward pass as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty.
-
-    Training: local reductions of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only
-    when the input needs a gradient), then dx and the residual's gradient in one pass. Eval:
-    dx = dz * invstd * weight. ``residual`` / ``output`` are what the fused activation's gradient
-    is read from (see the module docstring).
-    """
-    group = _resolve_name(group_name)
-    if training and group is not None and debug_enabled():
-        check_signature(group, "backward", _signature(2, x, True, input_grad))
-    ops = ops_for(x)
-    epilogue = {
-        "bias": bias,
-        "activation": activation,
-        "negative_slope": negative_slope,
-        "residual": residual,
-        "output": output,
-    }
-    dx, dw, db, dr = (x.new_empty(0) for _ in range(4))  # distinct: op outputs may not alias
-    sums = None
-    if weight_grad or bias_grad or (input_grad and training):
-        sums, gw, gb = ops.batch_norm_backward_reduce(
-            grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad, **epilogue
-        )
-        dw = gw if gw is not None else dw
-        db = gb if gb is not None else db
-    if input_grad or residual_grad:
-        if input_grad and training:
-            all_reduce_sum(sums, group)
-        if residual_grad:
-            dr = torch.empty_like(x)
-        dx = ops.batch_norm_backward_elemt(
-            grad_out,
-            x,
-            mean,
-            invstd,
-            weight,
-            sums if training else None,
-            stats[2] if training else None,
-            input_grad=input_grad,
-            out_grad_residual=dr if residual_grad else None,
-            **epilogue,
-        )
-        dx = dx if dx is not None else x.new_empty(0)
-    return dx, dw, db, dr
+    """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty."""
+    grads = backward_pass(
+        ops_for(x), grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation,
+        negative_slope, input_grad, weight_grad, bias_grad, residual_grad, _resolve_name(group_name),
+    )  # fmt: skip
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)  # distinct: op outputs may not alias
 
 
 @batch_norm_backward.register_fake
@@ -292,9 +313,10 @@ def _(grad_out, x, weight, bias, mean, invstd, stats, residual, output, training
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Autograd for the two ops (torch.library cannot register autograd on an op that mutates its inputs).
+    """Autograd for the two custom ops: the path ``torch.compile`` traces.
 
-    ``torch.compile`` traces this Function and keeps both ops whole, with the collectives inside.
+    torch.library cannot register autograd on an op that mutates its inputs, hence this Function.
+    ``torch.compile`` traces it and keeps both ops whole, with the collectives inside.
     """
 
     @staticmethod
@@ -306,13 +328,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
             activation, negative_slope, name,
         )  # fmt: skip
-        # What backward reads act'(z) from: see the module docstring.
-        keep_residual = keep_output = None
-        if activation is not None and residual is not None:
-            if output_gives_grad(activation, negative_slope):
-                keep_output = y
-            else:
-                keep_residual = residual
+        keep_residual, keep_output = _kept_for_backward(y, residual, activation, negative_slope)
         ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
         ctx.training, ctx.activation, ctx.negative_slope, ctx.group_name = training, activation, negative_slope, name
         ctx.has_residual = residual is not None
@@ -329,6 +345,67 @@ class SyncBatchNormFunction(torch.autograd.Function):
         )  # fmt: skip
         grads = (dx if need_x else None, dw if need_w else None, db if need_b else None, dr if need_r else None)
         return grads + (None,) * 9
+
+
+# --- The eager path: an autograd Function straight over the launchers, no custom-op dispatch. ---------
+
+
+class EagerBatchNormFunction(torch.autograd.Function):
+    """Autograd over :func:`forward_pass` / :func:`backward_pass` for eager calls.
+
+    ``spec`` is ``(ops, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+    activation, negative_slope, group)``: what the passes need besides the differentiable tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, spec):
+        ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, slope, group = spec
+        y, mean, invstd, stats = forward_pass(
+            ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
+            activation, slope, group,
+        )  # fmt: skip
+        keep_residual, keep_output = _kept_for_backward(y, residual, activation, slope)
+        ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
+        ctx.spec = spec
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
+        ops, _, _, _, training, _, _, activation, slope, group = ctx.spec
+        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+        dx, dw, db, dr = backward_pass(
+            ops, grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, slope,
+            need_x, need_w, need_b, need_r, group,
+        )  # fmt: skip
+        return dx, dw, db, dr, None
+
+
+def _eager(x: torch.Tensor) -> bool:
+    """Whether a call may skip the custom ops: a plain tensor, no functorch transform or dispatch mode active.
+
+    Anything else (a tensor subclass such as a FakeTensor, ``make_fx``, ``vmap``) takes the custom
+    ops, which those know how to trace. The caller has checked ``torch.compiler.is_compiling()``.
+    """
+    return (
+        type(x) is torch.Tensor
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+# ``Function.apply`` without its Python wrapper, which only adds what functorch transforms and
+# ``setup_context`` need: ``_eager`` has ruled out the transforms, and the Function has no setup_context.
+_apply_eager = super(torch.autograd.Function, EagerBatchNormFunction).apply
+
+
+def _params_need_grad(weight, bias, residual) -> bool:
+    """Whether, with grad mode on, a differentiable input other than ``input`` requires grad."""
+    return torch.is_grad_enabled() and (
+        (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    )
 
 
 def batch_norm(
@@ -356,7 +433,8 @@ def batch_norm(
     module passes its group there in eval too, so that a rank in eval while others train is caught.
     """
     debug_group = group if debug_group is None else debug_group
-    checking = debug_group is not None and not torch.compiler.is_compiling() and debug_enabled()
+    compiling = torch.compiler.is_compiling()
+    checking = debug_group is not None and not compiling and debug_enabled()
     input_grad = isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled()
     try:
         check_inputs(
@@ -377,10 +455,21 @@ def batch_norm(
         raise
     if checking:
         check_signature(debug_group, "forward", _signature(1, input, training, input_grad))
-    return SyncBatchNormFunction.apply(
-        input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-        activation, float(negative_slope), group_name(group),
-    )  # fmt: skip
+    negative_slope = float(negative_slope)
+    if compiling or not _eager(input):
+        return SyncBatchNormFunction.apply(
+            input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+            activation, negative_slope, group_name(group),
+        )  # fmt: skip
+    ops = ops_for(input)
+    if input_grad or _params_need_grad(weight, bias, residual):
+        spec = (ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation,
+                negative_slope, group)  # fmt: skip
+        return _apply_eager(input, weight, bias, residual, spec)
+    return forward_pass(
+        ops, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
+        activation, negative_slope, group,
+    )[0]  # fmt: skip
 
 
 def sync_batch_norm(
