@@ -43,18 +43,18 @@ from tritonbn.activations import check_activation, output_gives_grad
 from tritonbn.backend import ops_for
 from tritonbn.distributed import all_reduce_sum, check_signature, debug_enabled, dtype_code, resolve_group
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 
 
-def _check_vector(name: str, t: torch.Tensor | None, C: int, x: torch.Tensor) -> None:
+def _check_vector(name: str, t: torch.Tensor | None, C: int, device: torch.device) -> None:
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape ({C},) or None, got {type(t).__name__}")
-    if t.shape != (C,):
+    if t.dim() != 1 or t.shape[0] != C:
         raise ValueError(f"{name} must have shape ({C},) to match the {C} channels of input, got {tuple(t.shape)}")
-    if t.device != x.device:
-        raise ValueError(f"{name} must be on the input's device {x.device}, got {t.device}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the input's device {device}, got {t.device}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
 
@@ -79,7 +79,7 @@ def check_inputs(
     """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a tensor, got {type(input).__name__}")
-    if input.dim() < 2 or input.dim() > 5:
+    if not 2 <= input.dim() <= 5:
         raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got shape {tuple(input.shape)}")
     if input.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"input must be float32, float16, bfloat16 or float64, got dtype {input.dtype}")
@@ -88,8 +88,11 @@ def check_inputs(
         raise ValueError(f"input has {C} channels (dim 1), but num_features={num_features}")
     if C == 0:
         raise ValueError(f"input must have at least one channel (dim 1), got shape {tuple(input.shape)}")
-    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
-        _check_vector(name, t, C, input)
+    device = input.device
+    _check_vector("running_mean", running_mean, C, device)
+    _check_vector("running_var", running_var, C, device)
+    _check_vector("weight", weight, C, device)
+    _check_vector("bias", bias, C, device)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be tensors or both be None")
     check_momentum(momentum)
@@ -110,9 +113,9 @@ def check_inputs(
                 "num_batches_tracked must be a one-element int64 tensor, got "
                 f"shape {tuple(num_batches_tracked.shape)} dtype {num_batches_tracked.dtype}"
             )
-        if num_batches_tracked.device != input.device:
+        if num_batches_tracked.device != device:
             raise ValueError(
-                f"num_batches_tracked must be on the input's device {input.device}, got {num_batches_tracked.device}"
+                f"num_batches_tracked must be on the input's device {device}, got {num_batches_tracked.device}"
             )
 
 
