@@ -1,4 +1,8 @@
-"""Synchronized batch norm as one autograd Function: the launchers plus one all-reduce per pass.
+"""Synchronized batch norm: the launchers plus one all-reduce per pass, in two plain functions.
+
+``forward_pass`` and ``backward_pass`` hold the passes. Eager calls run them from an autograd
+Function directly (``EagerBatchNormFunction``); ``torch.compile`` traces the ``torch.library``
+custom ops ``tritonbn::batch_norm_forward/backward``, whose bodies call the same two functions.
 
 Forward (training)::
 
