@@ -36,14 +36,20 @@ def _load_kernels() -> ModuleType | None:
     return _kernels
 
 
+_interpreted: bool | None = None
+
+
 def interpreted() -> bool:
     """Whether the Triton kernels were loaded under the Triton interpreter."""
-    kernels = _load_kernels()
-    if kernels is None:
-        return False
-    from tritonbn.kernels.stats import _batch_norm_stats_kernel
+    global _interpreted
+    if _interpreted is None:
+        kernels = _load_kernels()
+        if kernels is None:
+            return False
+        from tritonbn.kernels.stats import _batch_norm_stats_kernel
 
-    return type(_batch_norm_stats_kernel).__name__ == "InterpretedFunction"
+        _interpreted = type(_batch_norm_stats_kernel).__name__ == "InterpretedFunction"
+    return _interpreted
 
 
 def _triton_unusable(x: torch.Tensor) -> str | None:
@@ -60,7 +66,10 @@ def _triton_unusable(x: torch.Tensor) -> str | None:
 
 def selected() -> str:
     """The value of ``TRITONBN_BACKEND``, checked."""
-    name = os.environ.get("TRITONBN_BACKEND", "auto").strip().lower() or "auto"
+    name = os.environ.get("TRITONBN_BACKEND")
+    if name is None or name in BACKENDS:  # the common cases, without string work
+        return name or "auto"
+    name = name.strip().lower() or "auto"
     if name not in BACKENDS:
         raise ValueError(f"TRITONBN_BACKEND must be one of {', '.join(BACKENDS)}, got {name!r}")
     return name

@@ -1,4 +1,8 @@
-"""Synchronized batch norm as one autograd Function: the launchers plus one all-reduce per pass.
+"""Synchronized batch norm: the launchers plus one all-reduce per pass, in two plain functions.
+
+``forward_pass`` and ``backward_pass`` hold the passes. Eager calls run them from an autograd
+Function directly (``EagerBatchNormFunction``); ``torch.compile`` traces the ``torch.library``
+custom ops ``tritonbn::batch_norm_forward/backward``, whose bodies call the same two functions.
 
 Forward (training)::
 
@@ -46,18 +50,18 @@ from tritonbn.activations import check_activation, output_gives_grad
 from tritonbn.backend import ops_for
 from tritonbn.distributed import all_reduce_sum, check_signature, debug_enabled, dtype_code, resolve_group
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FLOAT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 
 
-def _check_vector(name: str, t: torch.Tensor | None, C: int, x: torch.Tensor) -> None:
+def _check_vector(name: str, t: torch.Tensor | None, C: int, device: torch.device) -> None:
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape ({C},) or None, got {type(t).__name__}")
-    if t.shape != (C,):
+    if t.dim() != 1 or t.shape[0] != C:
         raise ValueError(f"{name} must have shape ({C},) to match the {C} channels of input, got {tuple(t.shape)}")
-    if t.device != x.device:
-        raise ValueError(f"{name} must be on the input's device {x.device}, got {t.device}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the input's device {device}, got {t.device}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
 
@@ -87,7 +91,7 @@ def check_inputs(
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a tensor, got {type(input).__name__}")
-    if input.dim() < 2 or input.dim() > 5:
+    if not 2 <= input.dim() <= 5:
         raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got shape {tuple(input.shape)}")
     if input.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"input must be float32, float16, bfloat16 or float64, got dtype {input.dtype}")
@@ -96,8 +100,11 @@ def check_inputs(
         raise ValueError(f"input has {C} channels (dim 1), but num_features={num_features}")
     if C == 0:
         raise ValueError(f"input must have at least one channel (dim 1), got shape {tuple(input.shape)}")
-    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
-        _check_vector(name, t, C, input)
+    device = input.device
+    _check_vector("running_mean", running_mean, C, device)
+    _check_vector("running_var", running_var, C, device)
+    _check_vector("weight", weight, C, device)
+    _check_vector("bias", bias, C, device)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be tensors or both be None")
     if training:
@@ -121,9 +128,9 @@ def check_inputs(
                 "num_batches_tracked must be a one-element int64 tensor, got "
                 f"shape {tuple(num_batches_tracked.shape)} dtype {num_batches_tracked.dtype}"
             )
-        if num_batches_tracked.device != input.device:
+        if num_batches_tracked.device != device:
             raise ValueError(
-                f"num_batches_tracked must be on the input's device {input.device}, got {num_batches_tracked.device}"
+                f"num_batches_tracked must be on the input's device {device}, got {num_batches_tracked.device}"
             )
 
 
@@ -137,16 +144,6 @@ def _signature(input, training: bool, input_grad: bool) -> dict[str, float]:
         "training": int(training),
         "input_grad": int(input_grad),
     }
-
-
-def stats_shape(C: int) -> tuple[int]:
-    """Shape of the packed forward statistics: ``[sum x (C) | sum x^2 (C) | count (1)]``."""
-    return (2 * C + 1,)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the kernels compute in (and save invstd as) for inputs of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def in_backward() -> bool:
@@ -167,6 +164,93 @@ def _resolve_name(name: str):
     return _resolve_process_group(name)
 
 
+def _stats_shape(C: int) -> tuple[int, ...]:
+    """Shape of the packed forward statistics: ``[sum x (C) | sum x^2 (C) | count (1)]``."""
+    return (2 * C + 1,)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the kernels compute in (and save invstd as) for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kept_for_backward(y, residual, activation, negative_slope):
+    """``(residual, output)``: what backward reads act'(z) from (see the module docstring), or ``None``."""
+    if activation is None or residual is None:
+        return None, None
+    if output_gives_grad(activation, negative_slope):
+        return None, y
+    return residual, None
+
+
+# --- The two passes as plain functions of tensors: the eager Function and the custom ops both call them.
+
+
+def forward_pass(
+    ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
+    activation, negative_slope, group,
+):  # fmt: skip
+    """The forward pass over the launchers in ``ops``: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
+
+    Training: local stats, the one all-reduce over ``group`` (``None``: no communication), then
+    ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the global
+    packed ``[sum x | sum x^2 | count]``. A forward that runs inside a backward pass (an
+    activation-checkpointing recompute) leaves the running statistics alone.
+    """
+    if not training:
+        y, mean, invstd = ops.batch_norm_elemt(
+            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps, residual=residual,
+            activation=activation, negative_slope=negative_slope,
+        )  # fmt: skip
+        return y, mean, invstd, None
+    if in_backward():
+        running_mean = running_var = num_batches_tracked = None
+    stats = ops.batch_norm_stats(x)
+    if group is not None:
+        all_reduce_sum(stats, group)
+    y, mean, invstd = ops.batch_norm_elemt(
+        x, weight, bias, stats=stats, running_mean=running_mean, running_var=running_var,
+        num_batches_tracked=num_batches_tracked, momentum=momentum, eps=eps, residual=residual,
+        activation=activation, negative_slope=negative_slope,
+    )  # fmt: skip
+    return y, mean, invstd, stats
+
+
+def backward_pass(
+    ops, grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
+    input_grad, weight_grad, bias_grad, residual_grad, group, layer="",
+):  # fmt: skip
+    """The backward pass over the launchers in ``ops``: ``(dx, dweight, dbias, dresidual)``, ``None`` if not asked for.
+
+    Training: local reductions of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only
+    when the input needs a gradient), then dx and the residual's gradient in one pass. Eval:
+    dx = dz * invstd * weight. ``residual`` / ``output`` are what the fused activation's gradient
+    is read from (see the module docstring). ``layer`` names the layer in debug-mode errors.
+    """
+    if training and group is not None and debug_enabled():
+        check_signature(group, "backward", _signature(x, True, input_grad), layer=layer)
+    sums = dx = dw = db = dr = None
+    if weight_grad or bias_grad or (input_grad and training):
+        sums, dw, db = ops.batch_norm_backward_reduce(
+            grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad, bias=bias,
+            activation=activation, negative_slope=negative_slope, residual=residual, output=output,
+        )  # fmt: skip
+    if input_grad or residual_grad:
+        if input_grad and training and group is not None:
+            all_reduce_sum(sums, group)
+        if residual_grad:
+            dr = torch.empty_like(x)
+        dx = ops.batch_norm_backward_elemt(
+            grad_out, x, mean, invstd, weight, sums if training else None, stats[-1:] if training else None,
+            bias=bias, activation=activation, negative_slope=negative_slope, residual=residual, output=output,
+            input_grad=input_grad, out_grad_residual=dr,
+        )  # fmt: skip
+    return dx, dw, db, dr
+
+
+# --- The compiled path: custom ops that torch.compile traces (and keeps whole, collectives inside). ---
+
+
 @torch.library.custom_op(
     "tritonbn::batch_norm_forward", mutates_args=("running_mean", "running_var", "num_batches_tracked")
 )
@@ -185,38 +269,16 @@ def batch_norm_forward(
     negative_slope: float,
     group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward pass as one op: ``(y, mean, invstd, stats)``.
+    """:func:`forward_pass` as one op, over the group named ``group_name`` ("" for none): ``(y, mean, invstd, stats)``.
 
-    Training: local stats, the one all-reduce over the group named ``group_name`` ("" for none),
-    then ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the
-    ``(2C + 1,)`` global ``[sum x | sum x^2 | count]``; in eval it is left uninitialized. A forward that
-    runs inside a backward pass (an activation-checkpointing recompute) leaves the running
-    statistics alone.
+    In eval ``stats`` is left uninitialized (an op returns tensors).
     """
-    ops = ops_for(x)
-    epilogue = {"residual": residual, "activation": activation, "negative_slope": negative_slope}
-    if training:
-        if in_backward():
-            running_mean = running_var = num_batches_tracked = None
-        stats = ops.batch_norm_stats(x)
-        all_reduce_sum(stats, _resolve_name(group_name))
-        y, mean, invstd = ops.batch_norm_elemt(
-            x,
-            weight,
-            bias,
-            stats=stats,
-            running_mean=running_mean,
-            running_var=running_var,
-            num_batches_tracked=num_batches_tracked,
-            momentum=momentum,
-            eps=eps,
-            **epilogue,
-        )
-    else:
-        stats = torch.empty(stats_shape(x.shape[1]), dtype=torch.float64, device=x.device)
-        y, mean, invstd = ops.batch_norm_elemt(
-            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps, **epilogue
-        )
+    y, mean, invstd, stats = forward_pass(
+        ops_for(x), x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum,
+        eps, activation, negative_slope, _resolve_name(group_name),
+    )  # fmt: skip
+    if stats is None:
+        stats = x.new_empty(_stats_shape(x.shape[1]), dtype=torch.float64)
     return y, mean, invstd, stats
 
 
@@ -227,7 +289,7 @@ def _(x, weight, bias, running_mean, running_var, num_batches_tracked, residual,
         torch.empty_like(x),
         x.new_empty(C, dtype=torch.float64),
         x.new_empty(C, dtype=compute_dtype(x.dtype)),
-        x.new_empty(stats_shape(C), dtype=torch.float64),
+        x.new_empty(_stats_shape(C), dtype=torch.float64),
     )
 
 
@@ -252,51 +314,12 @@ def batch_norm_backward(
     group_name: str,
     layer: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward pass as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty.
-
-    Training: local reductions of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only
-    when the input needs a gradient), then dx and the residual's gradient in one pass. Eval:
-    dx = dz * invstd * weight. ``residual`` / ``output`` are what the fused activation's gradient
-    is read from (see the module docstring). ``layer`` names the layer in debug-mode errors.
-    """
-    group = _resolve_name(group_name)
-    if training and group is not None and debug_enabled():
-        check_signature(group, "backward", _signature(x, True, input_grad), layer=layer)
-    ops = ops_for(x)
-    epilogue = {
-        "bias": bias,
-        "activation": activation,
-        "negative_slope": negative_slope,
-        "residual": residual,
-        "output": output,
-    }
-    dx, dw, db, dr = (x.new_empty(0) for _ in range(4))  # distinct: op outputs may not alias
-    sums = None
-    if weight_grad or bias_grad or (input_grad and training):
-        sums, gw, gb = ops.batch_norm_backward_reduce(
-            grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad, **epilogue
-        )
-        dw = gw if gw is not None else dw
-        db = gb if gb is not None else db
-    if input_grad or residual_grad:
-        if input_grad and training:
-            all_reduce_sum(sums, group)
-        if residual_grad:
-            dr = torch.empty_like(x)
-        dx = ops.batch_norm_backward_elemt(
-            grad_out,
-            x,
-            mean,
-            invstd,
-            weight,
-            sums if training else None,
-            stats[-1:] if training else None,
-            input_grad=input_grad,
-            out_grad_residual=dr if residual_grad else None,
-            **epilogue,
-        )
-        dx = dx if dx is not None else x.new_empty(0)
-    return dx, dw, db, dr
+    """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty."""
+    grads = backward_pass(
+        ops_for(x), grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation,
+        negative_slope, input_grad, weight_grad, bias_grad, residual_grad, _resolve_name(group_name), layer,
+    )  # fmt: skip
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)  # distinct: op outputs may not alias
 
 
 @batch_norm_backward.register_fake
@@ -313,9 +336,10 @@ def _(grad_out, x, weight, bias, mean, invstd, stats, residual, output, training
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Autograd for the two ops (torch.library cannot register autograd on an op that mutates its inputs).
+    """Autograd for the two custom ops: the path ``torch.compile`` traces.
 
-    ``torch.compile`` traces this Function and keeps both ops whole, with the collectives inside.
+    torch.library cannot register autograd on an op that mutates its inputs, hence this Function.
+    ``torch.compile`` traces it and keeps both ops whole, with the collectives inside.
     """
 
     @staticmethod
@@ -327,13 +351,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
             activation, negative_slope, name,
         )  # fmt: skip
-        # What backward reads act'(z) from: see the module docstring.
-        keep_residual = keep_output = None
-        if activation is not None and residual is not None:
-            if output_gives_grad(activation, negative_slope):
-                keep_output = y
-            else:
-                keep_residual = residual
+        keep_residual, keep_output = _kept_for_backward(y, residual, activation, negative_slope)
         ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
         ctx.training, ctx.activation, ctx.negative_slope, ctx.group_name = training, activation, negative_slope, name
         ctx.has_residual, ctx.layer = residual is not None, layer
@@ -350,6 +368,67 @@ class SyncBatchNormFunction(torch.autograd.Function):
         )  # fmt: skip
         grads = (dx if need_x else None, dw if need_w else None, db if need_b else None, dr if need_r else None)
         return grads + (None,) * 10
+
+
+# --- The eager path: an autograd Function straight over the launchers, no custom-op dispatch. ---------
+
+
+class EagerBatchNormFunction(torch.autograd.Function):
+    """Autograd over :func:`forward_pass` / :func:`backward_pass` for eager calls.
+
+    ``spec`` is ``(ops, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+    activation, negative_slope, group, layer)``: what the passes need besides the differentiable tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, spec):
+        ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, slope, group, _ = spec
+        y, mean, invstd, stats = forward_pass(
+            ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
+            activation, slope, group,
+        )  # fmt: skip
+        keep_residual, keep_output = _kept_for_backward(y, residual, activation, slope)
+        ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
+        ctx.spec = spec
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
+        ops, _, _, _, training, _, _, activation, slope, group, layer = ctx.spec
+        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+        dx, dw, db, dr = backward_pass(
+            ops, grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, slope,
+            need_x, need_w, need_b, need_r, group, layer,
+        )  # fmt: skip
+        return dx, dw, db, dr, None
+
+
+def _eager(x: torch.Tensor) -> bool:
+    """Whether a call may skip the custom ops: a plain tensor, no functorch transform or dispatch mode active.
+
+    Anything else (a tensor subclass such as a FakeTensor, ``make_fx``, ``vmap``) takes the custom
+    ops, which those know how to trace. The caller has checked ``torch.compiler.is_compiling()``.
+    """
+    return (
+        type(x) is torch.Tensor
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+# ``Function.apply`` without its Python wrapper, which only adds what functorch transforms and
+# ``setup_context`` need: ``_eager`` has ruled out the transforms, and the Function has no setup_context.
+_apply_eager = super(torch.autograd.Function, EagerBatchNormFunction).apply
+
+
+def _params_need_grad(weight, bias, residual) -> bool:
+    """Whether, with grad mode on, a differentiable input other than ``input`` requires grad."""
+    return torch.is_grad_enabled() and (
+        (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    )
 
 
 def batch_norm(
@@ -379,7 +458,8 @@ def batch_norm(
     ``layer`` is the layer's identity in those checks (the module passes its qualified name).
     """
     debug_group = group if debug_group is None else debug_group
-    checking = debug_group is not None and not torch.compiler.is_compiling() and debug_enabled()
+    compiling = torch.compiler.is_compiling()
+    checking = debug_group is not None and not compiling and debug_enabled()
     input_grad = isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled()
     try:
         check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features,
@@ -401,10 +481,21 @@ def batch_norm(
         raise
     if checking:
         check_signature(debug_group, "forward", _signature(input, training, input_grad), layer=layer)
-    return SyncBatchNormFunction.apply(
-        input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-        activation, float(negative_slope), group_name(group), layer,
-    )  # fmt: skip
+    negative_slope = float(negative_slope)
+    if compiling or not _eager(input):
+        return SyncBatchNormFunction.apply(
+            input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+            activation, negative_slope, group_name(group), layer,
+        )  # fmt: skip
+    ops = ops_for(input)
+    if input_grad or _params_need_grad(weight, bias, residual):
+        spec = (ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation,
+                negative_slope, group, layer)  # fmt: skip
+        return _apply_eager(input, weight, bias, residual, spec)
+    return forward_pass(
+        ops, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
+        activation, negative_slope, group,
+    )[0]  # fmt: skip
 
 
 def sync_batch_norm(

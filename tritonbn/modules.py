@@ -93,6 +93,20 @@ class SyncBatchNorm(_BatchNorm):
                 text += f", negative_slope={self.negative_slope}"
         return text
 
+    def _state(self):
+        """``(weight, bias, running_mean, running_var, num_batches_tracked)``.
+
+        Read from the parameter and buffer dicts, without a ``Module.__getattr__`` call each (a per-call
+        host cost, see ``benchmarks/host_overhead.py``), unless something (a parametrization, weight
+        norm) has moved one of them out.
+        """
+        params, buffers = self._parameters, self._buffers
+        try:
+            return (params["weight"], params["bias"], buffers["running_mean"], buffers["running_var"],
+                    buffers["num_batches_tracked"])  # fmt: skip
+        except KeyError:
+            return self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked
+
     def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         traced = trace_as_leaf(self, input, residual)
         if traced is not None:
@@ -101,21 +115,23 @@ class SyncBatchNorm(_BatchNorm):
 
     def _normalize(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The batch norm with its fused epilogue (what subclasses and recalibration build on)."""
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        tracking = not self.training or self.track_running_stats
+        training = self.training
+        weight, bias, running_mean, running_var, num_batches_tracked = self._state()
+        bn_training = training or (running_mean is None and running_var is None)
+        tracking = not training or self.track_running_stats
         # Eval communicates nothing (with track_running_stats=False it uses this rank's own batch).
         group = resolve_group(self.process_group)
         return batch_norm(
             input,
-            self.running_mean if tracking else None,
-            self.running_var if tracking else None,
-            self.weight,
-            self.bias,
+            running_mean if tracking else None,
+            running_var if tracking else None,
+            weight,
+            bias,
             bn_training,
             self.momentum,
             self.eps,
-            group if self.training else None,
-            self.num_batches_tracked if (self.training and self.track_running_stats) else None,
+            group if training else None,
+            num_batches_tracked if (training and self.track_running_stats) else None,
             residual=residual,
             activation=self.activation,
             negative_slope=self.negative_slope,

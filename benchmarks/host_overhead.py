@@ -1,0 +1,518 @@
+"""Host (CPU) cost of tritonbn's eager path, with the Triton launches replaced by no-ops.
+
+A GPU runs one BatchNorm layer of a ResNet-50 in a few to a few tens of microseconds; eager training
+is CPU-bound unless the host issues each layer faster than that. This script measures the host side
+alone, on CPU tensors, without a GPU:
+
+* The Triton kernels are forced on (``tritonbn.backend`` is told they can run on CPU) with
+  ``TRITON_INTERPRET`` unset, and ``JITFunction.run`` (what ``kernel[grid](...)`` calls) is replaced by
+  a no-op that counts launches. Everything else is the real path: ``tritonbn.SyncBatchNorm(512)``
+  on a ``(2, 512, 1, 1)`` tensor, forward then backward.
+* The reference is ``nn.BatchNorm2d(512)`` forward+backward on a ``(2, 512, 1, 1)`` CPU tensor
+  (it computes for real; at that size its cost is its own host path). Both are timed in the same
+  run, interleaved block by block, and the medians over the blocks are compared: ``ratio`` is
+  ``tritonbn_us / reference_us``.
+* Stages, each timed in isolation in the same interleaved rounds and reported as differences:
+  checks (``check_inputs`` and ``check_activation``), dispatch (module call, group, backend choice:
+  module total minus the autograd Function and the checks), autograd (``Function.apply`` and the
+  engine's backward call: the Function total minus the passes), pass logic (``forward_pass`` /
+  ``backward_pass`` minus the launchers), launch preparation (the launchers' Python: plan,
+  allocations, argument lists, and the no-op launch call).
+* Triton's argument binding, measured separately: the real ``JITFunction.run`` runs with a fake
+  driver (device 0, stream 0, an sm_90 target) and a fake compiled kernel whose ``launch_metadata``
+  and ``run`` do nothing, so everything Triton does in Python before the C launcher is timed (device
+  and stream look-up, the generated binder, the cache key, the globals check, the grid). The C
+  launcher itself (argument packing and ``cuLaunchKernel``) needs a GPU and is not measured.
+* Eval: one forward under ``torch.no_grad()`` against ``nn.BatchNorm2d`` in eval.
+* A ResNet-50-topology model (``benchmarks/resnet50.py``, 53 BN layers; input ``(2, 3, 16, 16)``)
+  forward+backward with tritonbn layers (converted) against ``nn.BatchNorm2d`` layers, launches
+  stubbed: the host cost per training step. There the stub zeroes the activation-sized outputs, so
+  that the convolutions read ordinary numbers (uninitialized memory slowed them down), and denormals
+  are flushed.
+
+``--json FILE`` writes ``tritonbn_us``, ``reference_us``, ``ratio`` and
+``launches_per_training_pass`` (plus the rest). ``--max-ratio R`` exits with status 1 when ``ratio``
+exceeds ``R``; ``.ci/run`` uses it (see the README, "Host overhead", for how the bound was chosen).
+
+Run it as ``python benchmarks/host_overhead.py`` (not under pytest, which sets TRITON_INTERPRET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("host_overhead: triton was imported under TRITON_INTERPRET=1; run this script on its own")
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITONBN_BACKEND"] = "triton"
+os.environ.pop("TRITONBN_DEBUG", None)
+warnings.filterwarnings("ignore", module="triton")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from torch import nn  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver as triton_driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from resnet50 import resnet50  # noqa: E402
+
+import tritonbn  # noqa: E402
+from tritonbn import backend, functional  # noqa: E402
+from tritonbn.activations import check_activation  # noqa: E402
+from tritonbn.kernels import plan  # noqa: E402
+
+C = 512
+SHAPE = (2, C, 1, 1)
+RESNET_INPUT = (2, 3, 16, 16)
+
+# --- launches: stubbed, or Triton's real run() over a fake driver and kernel -------------------------
+
+_REAL_RUN = JITFunction.run
+LAUNCHES = 0
+
+
+def _stub_run(self, *args, grid, warmup, **kwargs):
+    global LAUNCHES
+    LAUNCHES += 1
+
+
+_OUTPUTS = ("y_ptr", "dx_ptr", "dr_ptr")
+
+
+def _filling_stub_run(self, *args, grid, warmup, **kwargs):
+    """The no-op launch, except that it zeroes the activation-sized outputs (y, dx, the residual's grad).
+
+    For the ResNet-50 model: uninitialized outputs made the CPU convolutions that read them about 8%
+    slower, which is not host overhead.
+    """
+    global LAUNCHES
+    LAUNCHES += 1
+    for name, arg in zip(self.arg_names, args, strict=False):  # constexprs come as keywords
+        if name in _OUTPUTS:
+            arg.zero_()
+
+
+def stub_and_fill() -> None:
+    stub_launches()
+    JITFunction.run = _filling_stub_run
+
+
+class _FakeDriver:
+    """Enough of a Triton driver for ``JITFunction.run``: device 0, stream 0, an sm_90 target."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+class _FakeKernel:
+    """Stands in for a compiled kernel: no launch metadata, a launcher that only counts."""
+
+    function = None
+    packed_metadata = None
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        global LAUNCHES
+        LAUNCHES += 1
+
+
+def _fake_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+    kernel = _FakeKernel()
+    self.device_caches[device][0][key] = kernel
+    return kernel
+
+
+_EAGER = functional._eager
+
+
+def stub_launches() -> None:
+    JITFunction.run = _stub_run
+    functional._eager = _EAGER
+
+
+def custom_op_path() -> None:
+    """Launches stubbed, and every call through the custom ops (the compiled path; eager before issue 12)."""
+    stub_launches()
+    functional._eager = lambda x: False
+
+
+def bind_launches() -> None:
+    """Real ``JITFunction.run`` (binder, cache key, checks) over the fake driver and kernel."""
+    JITFunction.run = _REAL_RUN
+    functional._eager = _EAGER
+
+
+def setup() -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    triton_driver.set_active(_FakeDriver())
+    JITFunction._do_compile = _fake_compile
+    backend._load_kernels()
+    backend._triton_unusable = lambda x: None  # the kernels "can run" on CPU tensors
+    stub_launches()
+
+
+def count_launches(fn) -> int:
+    global LAUNCHES
+    LAUNCHES = 0
+    fn()
+    return LAUNCHES
+
+
+# CPU time of this thread: the host cost itself, which preemption by other processes on a shared
+# machine does not inflate (the wall clock does, by far more than the differences measured here).
+# With one intra-op thread, the CPU autograd engine runs backward on the calling thread too.
+CLOCK = time.thread_time_ns
+
+# --- timing -------------------------------------------------------------------------------------------
+
+
+def interleaved(cases: dict, rounds: int, inner: int) -> dict[str, list[float]]:
+    """Microseconds per call of each case, one sample per round; the cases alternate within each round.
+
+    ``cases`` maps a name to ``(fn, mode)``, ``mode`` a function run before the block (stub or bind).
+    """
+    names = list(cases)
+    samples = {name: [] for name in names}
+    for fn, mode in cases.values():  # warm-up: caches, first-call paths
+        mode()
+        for _ in range(max(5, inner // 4)):
+            fn()
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                fn, mode = cases[name]
+                mode()
+                t0 = CLOCK()
+                for _ in range(inner):
+                    fn()
+                samples[name].append((CLOCK() - t0) / inner / 1e3)
+    finally:
+        gc.enable()
+        stub_launches()
+    return samples
+
+
+def med(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+# --- the cases ----------------------------------------------------------------------------------------
+
+
+def layer_cases():
+    torch.manual_seed(0)
+    bn = tritonbn.SyncBatchNorm(C)
+    ref = nn.BatchNorm2d(C)
+    x = torch.randn(SHAPE, requires_grad=True)
+    x_ref = torch.randn(SHAPE, requires_grad=True)
+    g = torch.randn(SHAPE)
+    rm, rv, w, b, nbt = bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.num_batches_tracked
+    ops = backend.ops_for(x)
+    spec = (ops, rm, rv, nbt, True, 0.1, 1e-5, None, 0.01, None)
+    fwd = functional.forward_pass
+    bwd = functional.backward_pass
+
+    def module():
+        bn(x).backward(g)
+
+    def reference():
+        ref(x_ref).backward(g)
+
+    def function():
+        functional.EagerBatchNormFunction.apply(x, w, b, None, spec).backward(g)
+
+    def passes():
+        y, mean, invstd, stats = fwd(ops, x, w, b, rm, rv, nbt, None, True, 0.1, 1e-5, None, 0.01, None)
+        bwd(ops, g, x, w, b, mean, invstd, stats, None, None, True, None, 0.01, True, True, True, False, None)
+
+    with torch.no_grad():
+        y0, mean0, invstd0, stats0 = fwd(ops, x, w, b, rm, rv, nbt, None, True, 0.1, 1e-5, None, 0.01, None)
+    count0 = stats0[-1:]
+    sums0 = ops.batch_norm_backward_reduce(g, x, mean0, invstd0, w)[0]
+
+    def launch_stats():
+        ops.batch_norm_stats(x)
+
+    def launch_elemt():
+        ops.batch_norm_elemt(x, w, b, stats=stats0, running_mean=rm, running_var=rv, num_batches_tracked=nbt)
+
+    def launch_reduce():
+        ops.batch_norm_backward_reduce(g, x, mean0, invstd0, w, bias=b)
+
+    def launch_backward_elemt():
+        ops.batch_norm_backward_elemt(g, x, mean0, invstd0, w, sums0, count0, bias=b)
+
+    def launchers():
+        launch_stats()
+        launch_elemt()
+        launch_reduce()
+        launch_backward_elemt()
+
+    def checks():
+        functional.check_inputs(x, rm, rv, w, b, 0.1, 1e-5, nbt, C, None)
+        check_activation(None, 0.01)
+
+    def plan_call():
+        plan(x.shape, x)
+
+    def empty_vector():
+        torch.empty(C, dtype=torch.float32, device=x.device)
+
+    class EmptyFunction(torch.autograd.Function):
+        """The floor of any Python autograd Function here: same inputs, saved tensors and gradients, no work."""
+
+        @staticmethod
+        def forward(ctx, x, weight, bias, residual, spec):
+            ctx.save_for_backward(x, weight, bias, None, None, None, None, None)
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            x, weight, bias, *_ = ctx.saved_tensors
+            return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias), None, None
+
+    apply_empty = super(torch.autograd.Function, EmptyFunction).apply
+
+    def empty_function():
+        apply_empty(x, w, b, None, spec).backward(g)
+
+    bn_eval = tritonbn.SyncBatchNorm(C).eval()
+    ref_eval = nn.BatchNorm2d(C).eval()
+
+    def eval_module():
+        with torch.no_grad():
+            bn_eval(x)
+
+    def eval_reference():
+        with torch.no_grad():
+            ref_eval(x_ref)
+
+    stub, bind = stub_launches, bind_launches
+    main = {
+        "tritonbn": (module, stub),
+        "reference": (reference, stub),
+        "function": (function, stub),
+        "passes": (passes, stub),
+        "launchers": (launchers, stub),
+        "checks": (checks, stub),
+        "empty_function": (empty_function, stub),
+        "tritonbn_bound": (module, bind),
+        "custom_ops": (module, custom_op_path),
+        "eval_tritonbn": (eval_module, stub),
+        "eval_reference": (eval_reference, stub),
+    }
+    detail = {
+        "batch_norm_stats": (launch_stats, stub),
+        "batch_norm_elemt": (launch_elemt, stub),
+        "batch_norm_backward_reduce": (launch_reduce, stub),
+        "batch_norm_backward_elemt": (launch_backward_elemt, stub),
+        "plan()": (plan_call, stub),
+        "torch.empty(C)": (empty_vector, stub),
+    }
+    return main, detail, module, eval_module
+
+
+def binder_cost(module_step) -> tuple[float, int]:
+    """Microseconds per training pass in Triton's generated binders alone (the launches' real arguments)."""
+    calls = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        calls.append((self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        module_step()
+    finally:
+        stub_launches()
+    binders = []
+    for kernel, args, kwargs in calls:
+        binder = kernel.device_caches[0][4]
+        binders.append((binder, args, kwargs))
+
+    def bind_all():
+        for binder, args, kwargs in binders:
+            binder(*args, **kwargs)
+
+    samples = interleaved({"binders": (bind_all, stub_launches)}, rounds=20, inner=200)
+    return med(samples["binders"]), len(binders)
+
+
+def resnet_cases():
+    torch.manual_seed(0)
+    ref = resnet50(num_classes=10)
+    tbn = tritonbn.convert_sync_batchnorm(resnet50(num_classes=10))
+    tbn.load_state_dict(ref.state_dict())
+    x = torch.randn(RESNET_INPUT)
+
+    def step_tbn():
+        tbn.zero_grad(set_to_none=True)
+        tbn(x).sum().backward()
+
+    def step_ref():
+        ref.zero_grad(set_to_none=True)
+        ref(x).sum().backward()
+
+    layers = sum(isinstance(m, tritonbn.SyncBatchNorm) for m in tbn.modules())
+    return {"resnet50_tritonbn": (step_tbn, stub_and_fill), "resnet50_reference": (step_ref, stub_launches)}, layers
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    parser.add_argument("--max-ratio", type=float, default=None, help="exit 1 when the ratio exceeds this bound")
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds per case (default 40)")
+    parser.add_argument("--inner", type=int, default=50, help="calls per timed block (default 50)")
+    parser.add_argument("--no-resnet", action="store_true", help="skip the ResNet-50 model")
+    args = parser.parse_args(argv)
+    setup()
+
+    main_cases, detail_cases, module_step, eval_step = layer_cases()
+    launches = count_launches(module_step)
+    eval_launches = count_launches(eval_step)
+    s = interleaved(main_cases, args.rounds, args.inner)
+    d = interleaved(detail_cases, max(10, args.rounds // 2), args.inner)
+    binders_us, binder_launches = binder_cost(module_step)
+
+    m = {name: med(v) for name, v in s.items()}
+    per_round = [a / b for a, b in zip(s["tritonbn"], s["reference"], strict=True)]
+    ratio = m["tritonbn"] / m["reference"]
+    bound_us = m["tritonbn_bound"] - m["tritonbn"]
+    stages = {
+        "checks": m["checks"],
+        "dispatch": m["tritonbn"] - m["function"] - m["checks"],
+        "autograd": m["function"] - m["passes"],
+        "pass logic": m["passes"] - m["launchers"],
+        "launch preparation": m["launchers"],
+    }
+    autograd_floor = m["empty_function"]
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_implementation()} "
+        f"{platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}",
+        "layer": f"tritonbn.SyncBatchNorm({C}) on {SHAPE}, training forward+backward, launches stubbed",
+        "reference_layer": f"nn.BatchNorm2d({C}) on {SHAPE}, forward+backward",
+        "tritonbn_us": m["tritonbn"],
+        "reference_us": m["reference"],
+        "ratio": ratio,
+        "ratio_per_round_quartiles": quartiles(per_round),
+        "launches_per_training_pass": launches,
+        "stages_us": stages,
+        "autograd_floor_us": autograd_floor,
+        "binding_us_per_launch": bound_us / launches,
+        "binder_only_us_per_launch": binders_us / binder_launches,
+        "tritonbn_with_binding_us": m["tritonbn_bound"],
+        "custom_ops_us": m["custom_ops"],
+        "custom_ops_ratio": m["custom_ops"] / m["reference"],
+        "eval_tritonbn_us": m["eval_tritonbn"],
+        "eval_reference_us": m["eval_reference"],
+        "eval_ratio": m["eval_tritonbn"] / m["eval_reference"],
+        "launches_per_eval_pass": eval_launches,
+        "launcher_detail_us": {name: med(v) for name, v in d.items()},
+        "rounds": args.rounds,
+        "inner": args.inner,
+    }
+    if not args.no_resnet:
+        cases, layers = resnet_cases()
+        result["resnet50_launches_per_step"] = count_launches(cases["resnet50_tritonbn"][0])
+        r = interleaved(cases, max(8, args.rounds // 4), 3)
+        result["resnet50_bn_layers"] = layers
+        result["resnet50_tritonbn_ms"] = med(r["resnet50_tritonbn"]) / 1e3
+        result["resnet50_reference_ms"] = med(r["resnet50_reference"]) / 1e3
+        result["resnet50_extra_us_per_layer"] = (
+            (result["resnet50_tritonbn_ms"] - result["resnet50_reference_ms"]) * 1e3 / layers
+        )
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.max_ratio is not None and ratio > args.max_ratio:
+        print(f"FAIL: host overhead ratio {ratio:.2f} exceeds the bound {args.max_ratio}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def markdown(r: dict) -> str:
+    total = r["tritonbn_us"]
+    q1, q3 = r["ratio_per_round_quartiles"]
+    n = r["launches_per_training_pass"]
+    lines = [
+        f"Host overhead, {r['date']}; {r['machine']}. CPU time of the calling thread, median of "
+        f"{r['rounds']} interleaved blocks of {r['inner']} calls; Triton launches stubbed.",
+        "",
+        "| case | tritonbn µs | reference µs | ratio | launches |",
+        "|---|---|---|---|---|",
+        f"| training forward+backward, C={C} | {total:.1f} | {r['reference_us']:.1f} | **{r['ratio']:.2f}** "
+        f"(per-round quartiles {q1:.2f}–{q3:.2f}) | {n} |",
+        f"| the same through the custom ops (the torch.compile path; eager before) | {r['custom_ops_us']:.1f} | "
+        f"{r['reference_us']:.1f} | {r['custom_ops_ratio']:.2f} | {n} |",
+        f"| eval forward (no_grad), C={C} | {r['eval_tritonbn_us']:.1f} | {r['eval_reference_us']:.1f} | "
+        f"{r['eval_ratio']:.2f} | {r['launches_per_eval_pass']} |",
+    ]
+    if "resnet50_tritonbn_ms" in r:
+        lines.append(
+            f"| ResNet-50 topology ({r['resnet50_bn_layers']} BN), input {RESNET_INPUT}, forward+backward, ms | "
+            f"{r['resnet50_tritonbn_ms']:.1f} | {r['resnet50_reference_ms']:.1f} | "
+            f"{r['resnet50_tritonbn_ms'] / r['resnet50_reference_ms']:.2f} | {r['resnet50_launches_per_step']} |"
+        )
+    lines += ["", "| stage (training forward+backward) | µs | share |", "|---|---|---|"]
+    for name, us in r["stages_us"].items():
+        lines.append(f"| {name} | {us:.1f} | {100 * us / total:.0f}% |")
+        if name == "autograd":
+            lines.append(
+                f"| (an empty Python autograd Function, same inputs and grads) | ({r['autograd_floor_us']:.1f}) | |"
+            )
+    lines += [
+        f"| **total (launches stubbed)** | **{total:.1f}** | 100% |",
+        f"| Triton argument binding per launch: real `JITFunction.run`, fake driver | "
+        f"{r['binding_us_per_launch']:.1f} | binder alone {r['binder_only_us_per_launch']:.1f} |",
+        f"| total with Triton's `run` ({n} launches; the C launcher not included) | "
+        f"{r['tritonbn_with_binding_us']:.1f} | |",
+        "",
+        "| launch preparation, per call | µs |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {us:.1f} |" for name, us in r["launcher_detail_us"].items()]
+    if "resnet50_extra_us_per_layer" in r:
+        lines += [
+            "",
+            f"ResNet-50: tritonbn layers add {r['resnet50_extra_us_per_layer']:.0f} µs of host time per BN layer "
+            "to a step over nn.BatchNorm2d's (launches stubbed; on a GPU Triton's launch path comes on top).",
+        ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
