@@ -104,16 +104,9 @@ class Plan:
     num_warps: int
     VEC: int  # divides INNER and every channel and outer stride (see _vector_hint)
     BLOCK_R: int  # rows of partials the last program merges at a time
-
-    def args(self, k: int = 0) -> tuple[int, ...]:
-        """Tensor ``k``'s strides as the kernels take them: ``(s_c, s_o0, s_o1, s_o2)`` over ``VEC``, then ``s_i``."""
-        s_c, s_o0, s_o1, s_o2, s_i = self.strides[k]
-        v = self.VEC
-        return (s_c // v, s_o0 // v, s_o1 // v, s_o2 // v, s_i)
-
-    def sizes(self) -> tuple[int, ...]:
-        """``(C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)``, the size arguments of every kernel."""
-        return (self.C, self.O1, self.O2, self.INNER // self.VEC, self.inner_tiles, self.tiles, self.tiles_per_prog)
+    # What every kernel takes, computed once per plan:
+    size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
+    stride_args: tuple[int, ...]  # per tensor: (s_c, s_o0, s_o1, s_o2) / VEC, then s_i
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -149,7 +142,7 @@ def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
     kind = _device_kind(tensors[0].device)
-    return _plan(tuple(int(d) for d in shape), tuple(t.stride() for t in tensors), kind, tile_scale)
+    return _plan(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -219,6 +212,8 @@ def _plan(
         num_warps=4 if BLOCK_C * BLOCK_I < 2048 else 8,
         VEC=VEC,
         BLOCK_R=max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C)),
+        size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
+        stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
     )
 
 

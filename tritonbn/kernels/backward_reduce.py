@@ -228,7 +228,7 @@ def batch_norm_backward_reduce(
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
     C, R = layout.C, layout.r_progs
     acc = acc_dtype(x)
-    sdtype = torch.float64 if acc == tl.float64 else torch.float32
+    sdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     part = torch.empty((2, R, C), dtype=sdtype, device=x.device)
     sums = torch.empty((2, C), dtype=sdtype, device=x.device)
     gdtype = weight.dtype if weight is not None else x.dtype if x.dtype == torch.float64 else torch.float32
@@ -247,11 +247,9 @@ def batch_norm_backward_reduce(
         grad_weight if grad_weight is not None else sums,
         grad_bias if grad_bias is not None else sums,
         tickets(x.device, layout.c_blocks),
-        *layout.sizes(),
+        *layout.size_args,
         R,
-        *layout.args(0),
-        *layout.args(1),
-        *layout.args(2),
+        *layout.stride_args,
         float(negative_slope),
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,

@@ -19,6 +19,7 @@ the host nor a serial loop. When the global count is 0 (every rank empty), the r
 and ``num_batches_tracked`` stay as they are.
 """
 
+import functools
 import struct
 
 import torch
@@ -176,6 +177,7 @@ def _batch_norm_elemt_kernel(
         x = x_next
 
 
+@functools.lru_cache(maxsize=256)
 def split_float(v: float) -> tuple[float, float]:
     """``(hi, lo)``: two float32 numbers whose sum is ``v`` to float64 precision (Triton passes floats as fp32)."""
     hi = struct.unpack("f", struct.pack("f", float(v)))[0]
@@ -234,7 +236,7 @@ def batch_norm_elemt(
     C = layout.C
     acc = acc_dtype(x)
     mean = torch.empty(C, dtype=torch.float64, device=x.device)
-    invstd = torch.empty(C, dtype=torch.float64 if acc == tl.float64 else torch.float32, device=x.device)
+    invstd = torch.empty(C, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
     update = training and running_mean is not None
     has_nbt = update and num_batches_tracked is not None
     dummy = mean
@@ -251,10 +253,8 @@ def batch_norm_elemt(
         tickets(x.device, 1) if has_nbt else dummy,
         mean,
         invstd,
-        *layout.sizes(),
-        *layout.args(0),
-        *layout.args(1),
-        *layout.args(2),
+        *layout.size_args,
+        *layout.stride_args,
         *split_float(0.0 if momentum is None else momentum),
         *split_float(eps),
         float(negative_slope),

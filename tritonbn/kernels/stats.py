@@ -143,17 +143,17 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     layout = plan(x.shape, x, tile_scale=2)
     C, R = layout.C, layout.r_progs
     acc = acc_dtype(x)
-    part = torch.empty((2, R, C), dtype=torch.float64 if acc == tl.float64 else torch.float32, device=x.device)
+    part = torch.empty((2, R, C), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
     stats = torch.empty(2 * C + 1, dtype=torch.float64, device=x.device)
     _batch_norm_stats_kernel[layout.grid](
         x,
         part,
         stats,
         tickets(x.device, layout.c_blocks),
-        *layout.sizes(),
+        *layout.size_args,
         R,
         x.numel() // C,
-        *layout.args(0),
+        *layout.stride_args,
         ACC=acc,
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
