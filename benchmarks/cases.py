@@ -64,7 +64,7 @@ def bytes_per_pass(shape, dtype: torch.dtype, mode: str, epilogue: bool = False)
 def collective_bytes(C: int, world: int) -> dict[str, int]:
     """Bytes each rank sends into the collectives of one training step (forward and backward)."""
     return {
-        "tritonbn_forward": 3 * C * 8,  # all_reduce of [sum x | sum x^2 | count] in fp64
+        "tritonbn_forward": (2 * C + 1) * 8,  # all_reduce of [sum x (C) | sum x^2 (C) | count] in fp64
         "tritonbn_backward": 2 * C * 4,  # all_reduce of [sum dy | sum dy*xhat] in fp32
         "torch_forward": world * (2 * C + 1) * 4,  # all_gather of (mean, invstd, count) from every rank
         "torch_backward": 2 * C * 4,  # all_reduce of [sum dy | sum dy*xmu]

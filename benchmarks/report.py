@@ -110,7 +110,7 @@ def collective_table(rows: list[dict]) -> list[str]:
     ]
     for C in channels:
         for W in (2, 8, 64):
-            b = {"tritonbn_forward": 24 * C, "torch_forward": 4 * W * (2 * C + 1), "tritonbn_backward": 8 * C,
+            b = {"tritonbn_forward": 8 * (2 * C + 1), "torch_forward": 4 * W * (2 * C + 1), "tritonbn_backward": 8 * C,
                  "torch_backward": 8 * C}  # fmt: skip
             lines.append(f"| {C} | {W} | {b['tritonbn_forward']} | {b['torch_forward']} | {b['tritonbn_backward']} | "
                          f"{b['torch_backward']} |")  # fmt: skip
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         "## Collective bytes per rank and training step",
         "",
-        "tritonbn all-reduces 3C fp64 forward and 2C fp32 backward at any world size W; "
+        "tritonbn all-reduces 2C+1 fp64 forward and 2C fp32 backward at any world size W; "
         "torch.nn.SyncBatchNorm all-gathers W x (2C+1) fp32 forward. (Computed from the message layouts, "
         "which a test checks for tritonbn.)",
         "",

@@ -26,12 +26,12 @@ def test_dtype_combinations(backend_name, dtype, params, buffers, training):
     rm = torch.randn(C, dtype=torch.float64).to(buffers)
     rv = (torch.rand(C, dtype=torch.float64) + 0.5).to(buffers)
     rm_ref, rv_ref = rm.double().clone(), rv.double().clone()
-    xd = x.double().requires_grad_()
+    xd = x.double().clone().requires_grad_()  # a copy also when x is already float64
     y_ref = F.batch_norm(xd, rm_ref, rv_ref, w.double(), b.double(), training, 0.1, 1e-5)
     dy = torch.randn_like(y_ref)
     y_ref.backward(dy)
 
-    xt = x.clone().requires_grad_()
+    xt = x.detach().clone().requires_grad_()
     y = tritonbn.sync_batch_norm(xt, rm, rv, w, b, training=training, momentum=0.1, eps=1e-5)
     y.backward(dy.to(dtype))
     assert y.dtype == dtype and rm.dtype == buffers and rv.dtype == buffers

@@ -4,16 +4,17 @@ Each launcher takes and returns plain tensors, and accepts inputs ``(N, C, *S)``
 with any strides (contiguous, channels_last, channels_last_3d, permuted) without copying them.
 A training step is::
 
-    stats = batch_norm_stats(x)                      # (3, C) fp64 [sum_x | sum_x2 | count]
+    stats = batch_norm_stats(x)                      # (2C + 1,) fp64 [sum_x | sum_x2 | count]
     dist.all_reduce(stats)                           # the one forward collective (if any)
     y, mean, invstd = batch_norm_elemt(x, w, b, stats=stats, running_mean=rm, running_var=rv)
     ...
     sums, gw, gb = batch_norm_backward_reduce(dy, x, mean, invstd, w)
     dist.all_reduce(sums)                            # the one backward collective (if any)
-    dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[2])
+    dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:])
 
-A training forward takes 3 kernel launches (stats, its deterministic finalize, elemt) and a
-backward 3 (reduce, finalize, elemt). Eval takes 1 (elemt with the running statistics).
+Each launcher is one kernel launch: a training forward takes 2 (stats, elemt), a backward 2
+(reduce, elemt), eval 1 (elemt with the running statistics). The reductions finish in the same
+launch: the program that draws the last ticket merges every program's partials in a fixed order.
 
 ``batch_norm_elemt`` also fuses ``act(bn(x) + residual)`` (``residual=``, ``activation=`` of
 ``"relu"``, ``"leaky_relu"``, ``"silu"``); the backward launchers then take the same epilogue

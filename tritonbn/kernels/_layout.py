@@ -209,7 +209,9 @@ def _plan(
         r_progs=r_progs,
         tiles_per_prog=tiles_per_prog,
         use_int64=max_offset > _INT32_MAX or tiles * BLOCK_I > _INT32_MAX,
-        num_warps=4 if BLOCK_C * BLOCK_I < 2048 else 8,
+        # 8 elements per thread and tensor (16 for a scaled tile) when the tile is full; a tile that C
+        # or the inner size cut short gets 4 warps.
+        num_warps=8 if BLOCK_C * BLOCK_I >= 2048 * tile_scale else 4,
         VEC=VEC,
         BLOCK_R=max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C)),
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),

@@ -129,9 +129,7 @@ def _batch_norm_backward_elemt_kernel(
     if READ_AUX:
         aux = tl.load(aux_ptr + tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC), mask=mask)
     for t in range(t_start, t_end):
-        dx_offs = tile_offsets(o, cols, inner, O1, O2, sdx_c, sdx_o0, sdx_o1, sdx_o2, sdx_i, VEC)
-        dr_offs = tile_offsets(o, cols, inner, O1, O2, sdr_c, sdr_o0, sdr_o1, sdr_o2, sdr_i, VEC)
-        out_mask = mask
+        o_cur, inner_cur, out_mask = o, inner, mask
         # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
         o, it = tile_next(o, it, inner_tiles)
         inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
@@ -139,16 +137,20 @@ def _batch_norm_backward_elemt_kernel(
             dy_ptr + tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC), mask=mask
         )
         if NEED_X:
-            x_offs = tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC)
-            x_next = tl.load(x_ptr + x_offs, mask=mask)
-            xc = x.to(ACC) - hi[:, None]
-            x = x_next
-        else:
-            xc = dy.to(ACC)
-        dz = dy.to(ACC)
+            x_next = tl.load(
+                x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask
+            )
         if READ_AUX:
             a_offs = tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC)
             aux_next = tl.load(aux_ptr + a_offs, mask=mask)
+        # Every load of the next tile is issued; now the current one.
+        dz = dy.to(ACC)
+        if NEED_X:
+            xc = x.to(ACC) - hi[:, None]
+            x = x_next
+        else:
+            xc = dz
+        if READ_AUX:
             a = aux.to(ACC)
             aux = aux_next
         else:
@@ -156,12 +158,14 @@ def _batch_norm_backward_elemt_kernel(
         if ACTIVATION != 0:
             dz = grad_z(dz, xc - lo[:, None], scale, bias, a, slope, ACTIVATION, AUX)
         if WRITE_DR:
+            dr_offs = tile_offsets(o_cur, cols, inner_cur, O1, O2, sdr_c, sdr_o0, sdr_o1, sdr_o2, sdr_i, VEC)
             tl.store(dr_ptr + dr_offs, dz.to(dr_ptr.dtype.element_ty), mask=out_mask)
         if WRITE_DX:
             if TRAINING:
                 dx = (dz - xc * k[:, None]) * scale[:, None] + c[:, None]
             else:
                 dx = dz * scale[:, None]
+            dx_offs = tile_offsets(o_cur, cols, inner_cur, O1, O2, sdx_c, sdx_o0, sdx_o1, sdx_o2, sdx_i, VEC)
             tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=out_mask)
         dy = dy_next
 

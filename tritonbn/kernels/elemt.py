@@ -159,8 +159,7 @@ def _batch_norm_elemt_kernel(
     if HAS_RESIDUAL:
         res = tl.load(r_ptr + tile_offsets(o, cols, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, VEC), mask=mask)
     for t in range(t_start, t_end):
-        y_offs = tile_offsets(o, cols, inner, O1, O2, sy_c, sy_o0, sy_o1, sy_o2, sy_i, VEC)
-        y_mask = mask
+        o_cur, inner_cur, y_mask = o, inner, mask
         # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
         o, it = tile_next(o, it, inner_tiles)
         inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
@@ -173,6 +172,7 @@ def _batch_norm_elemt_kernel(
             y += res.to(ACC)
             res = res_next
         y = activate(y, slope, ACTIVATION)
+        y_offs = tile_offsets(o_cur, cols, inner_cur, O1, O2, sy_c, sy_o0, sy_o1, sy_o2, sy_i, VEC)
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
         x = x_next
 
