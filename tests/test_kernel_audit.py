@@ -74,16 +74,23 @@ def test_no_spills_and_at_most_128_registers(quick_audit):
     assert not bad, f"spills or more than {MAX_REGISTERS} registers: {sorted(set(bad))}"
 
 
+def _vectorized(row) -> bool:
+    """Whether the main loop loads vectors: scalar loads (odd NCHW planes such as 7x7) are the exception."""
+    return (row["load_vector_bits"] or 0) >= 64
+
+
 def test_one_round_trip_and_two_launches_per_training_pass(quick_audit):
-    """Every main loop issues all its loads before using any; a training pass is 2 launches, eval 1;
-    the channels_last statistics loop (ResNet's layout under channels_last training) costs at most
-    8 SASS instructions per element."""
+    """A training pass is 2 launches, eval 1. Wherever alignment allows vector loads, every main loop
+    issues all its loads before using any (one round trip), and the statistics loop costs at most 8
+    SASS instructions per element. (Scalar loads, on odd NCHW planes, are README's documented exception.)"""
     rows, _ = quick_audit
-    assert {r["round_trips_per_iteration"] for r in rows if r["main_loop"] is not None} == {1}
     assert {r["mode"]: r["launch"].split("/")[1] for r in rows} == {
         "train_forward": "2",
         "backward": "2",
         "eval_forward": "1",
     }
-    stats = [r for r in rows if r["kernel"] == "_batch_norm_stats_kernel" and r["layout"] == "channels_last"]
-    assert stats and max(r["sass_per_element"] for r in stats) <= 8, stats
+    vector = [r for r in rows if r["main_loop"] is not None and _vectorized(r)]
+    assert vector and {r["round_trips_per_iteration"] for r in vector} == {1}
+    stats = [r for r in vector if r["kernel"] == "_batch_norm_stats_kernel"]
+    assert {r["layout"] for r in stats} == {"contiguous", "channels_last"}
+    assert max(r["sass_per_element"] for r in stats) <= 8, stats

@@ -224,6 +224,8 @@ def _inner_block(inner: int, cap: int) -> int:
     that pads ``inner`` by less than 5% (so a 7x7 plane, 49 elements, gets 25 blocks of 2 lanes,
     not one block of 64 lanes with 15 idle), or the one that pads least when none does.
     """
+    if inner <= 1:
+        return 1
     best, best_waste = 1, 1.0
     b = 1
     while b <= min(cap, _next_pow2(inner)):
