@@ -41,3 +41,16 @@ def backend_name(request, monkeypatch):
     probe = torch.empty(0)
     assert backend.name_for(probe) == request.param, "the requested backend is not the one that runs"
     return request.param
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiny tiles and many programs per channel block: every kernel runs many tiles per program, and
+    the last-program merge has many partials."""
+    from tritonbn.kernels import _layout
+
+    monkeypatch.setattr(_layout, "_CPU_TILE", 8)
+    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
+    _layout._plan.cache_clear()
+    yield
+    _layout._plan.cache_clear()

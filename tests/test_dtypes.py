@@ -82,17 +82,7 @@ def test_gradcheck_float64(backend_name, training):
     assert torch.autograd.gradcheck(plain, (x, w, b))
 
 
-@pytest.fixture
-def many_programs(monkeypatch):
-    """Tiny tiles and many programs per channel block, so the last-program merge has many partials."""
-    monkeypatch.setattr(_layout, "_CPU_TILE", 8)
-    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
-    _layout._plan.cache_clear()
-    yield
-    _layout._plan.cache_clear()
-
-
-def test_one_launch_per_pass_and_tickets_reset(many_programs, monkeypatch):
+def test_one_launch_per_pass_and_tickets_reset(small_tiles, monkeypatch):
     """Training forward and backward take one launch each after the collective, eval one; tickets go back to 0."""
     from tritonbn import kernels
 

@@ -6,17 +6,7 @@ from oracle import make_layout
 
 import tritonbn
 from tritonbn import backend
-from tritonbn.kernels import _layout, plan
-
-
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Force tiny tiles so every kernel runs many tiles per program and many programs."""
-    monkeypatch.setattr(_layout, "_CPU_TILE", 8)
-    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
-    _layout._plan.cache_clear()
-    yield
-    _layout._plan.cache_clear()
+from tritonbn.kernels import plan
 
 
 def test_plan_folds_layouts():

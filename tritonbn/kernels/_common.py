@@ -71,6 +71,25 @@ def take_ticket(ticket_ptr):
 
 
 @triton.jit
+def merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The two rows of ``(2, R, C)`` partials summed over ``R`` in a fixed order, in fp64: ``(sum0, sum1)``.
+
+    Run by the program that drew the last ticket; the partials of the other programs are read with
+    volatile loads (from L2, never a stale L1 line).
+    """
+    rows = tl.arange(0, BLOCK_R)
+    m0 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
+    m1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + rows
+        pmask = (r < R)[:, None] & c_mask[None, :]
+        poffs = r[:, None] * C + cols[None, :]
+        m0 += tl.load(part_ptr + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
+        m1 += tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
+    return tl.sum(m0, axis=0), tl.sum(m1, axis=0)
+
+
+@triton.jit
 def channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING: tl.constexpr):
     """Per-channel ``(mean, biased var)`` in fp64, and the count (a scalar).
 

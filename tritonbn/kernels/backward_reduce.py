@@ -24,6 +24,7 @@ from tritonbn.kernels._common import (
     AUX_OUTPUT,
     AUX_RESIDUAL,
     grad_z,
+    merge_partials,
     split_mean,
     take_ticket,
     tile_mask,
@@ -158,17 +159,8 @@ def _batch_norm_backward_reduce_kernel(
     tl.store(part + R * C, tl.sum(acc_dzx, axis=1), mask=c_mask)
     if take_ticket(ticket_ptr + pid_c) == R - 1:
         # The last program of this channel block: merge the R partials in a fixed order, in fp64.
-        rows = tl.arange(0, BLOCK_R)
-        m_dz = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
-        m_dzx = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
-        for r0 in range(0, R, BLOCK_R):
-            r = r0 + rows
-            pmask = (r < R)[:, None] & c_mask[None, :]
-            poffs = r[:, None] * C + cols[None, :]
-            m_dz += tl.load(part_ptr + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
-            m_dzx += tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
-        sum_dz = tl.sum(m_dz, axis=0)
-        sum_dzx = (tl.sum(m_dzx, axis=0) - lo.to(tl.float64) * sum_dz) * invstd.to(tl.float64)
+        sum_dz, sum_dzx_hi = merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R, BLOCK_C)
+        sum_dzx = (sum_dzx_hi - lo.to(tl.float64) * sum_dz) * invstd.to(tl.float64)
         tl.store(sums_ptr + cols, sum_dz.to(sums_ptr.dtype.element_ty), mask=c_mask)
         tl.store(sums_ptr + C + cols, sum_dzx.to(sums_ptr.dtype.element_ty), mask=c_mask)
         if HAS_GW:

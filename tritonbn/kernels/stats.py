@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonbn.kernels._common import take_ticket, tile_mask, tile_next, tile_offsets, tile_start
+from tritonbn.kernels._common import merge_partials, take_ticket, tile_mask, tile_next, tile_offsets, tile_start
 from tritonbn.kernels._layout import plan, tickets
 
 
@@ -102,17 +102,7 @@ def _batch_norm_stats_kernel(
     tl.store(part + R * C, tl.sum(s2.to(tl.float64), axis=1).to(part_ptr.dtype.element_ty), mask=c_mask)
     if take_ticket(ticket_ptr + pid_c) == R - 1:
         # The last program of this channel block: merge the R partials in a fixed order.
-        rows = tl.arange(0, BLOCK_R)
-        m1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
-        m2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
-        for r0 in range(0, R, BLOCK_R):
-            r = r0 + rows
-            pmask = (r < R)[:, None] & c_mask[None, :]
-            poffs = r[:, None] * C + cols[None, :]
-            m1 += tl.load(part_ptr + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
-            m2 += tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
-        S1 = tl.sum(m1, axis=0)
-        S2 = tl.sum(m2, axis=0)
+        S1, S2 = merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R, BLOCK_C)
         p = pivot.to(tl.float64)
         n = tl.cast(count, tl.float64)
         tl.store(stats_ptr + cols, S1 + n * p, mask=c_mask)
