@@ -78,11 +78,10 @@ def test_compile_inductor(backend_name, tmp_path, monkeypatch):
     # A fresh cache: torch's on-disk caches do not key on a custom op's fake implementation, so an
     # entry left by an older tritonbn (another stats shape) would be reused.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     model = make_model()
-    _compare(copy.deepcopy(model), model, torch.randn(6, 3, 7, 7), "inductor")
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _compare(copy.deepcopy(model), model, torch.randn(6, 3, 7, 7), "inductor")
 
 
 def test_custom_ops_are_registered_and_opaque():
