@@ -13,10 +13,17 @@ whatever order the programs finish in), and puts the counter back to zero for th
 no memset is needed, and a CUDA graph can replay it).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from tritonbn.activations import ACTIVATIONS
+
+
+def acc_dtypes(x: torch.Tensor):
+    """The kernels' arithmetic type for ``x`` as ``(triton dtype, torch dtype)``: float64 for float64
+    inputs, else float32. Saved invstd, partials and backward sums are kept in it."""
+    return (tl.float64, torch.float64) if x.dtype == torch.float64 else (tl.float32, torch.float32)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from tritonbn.kernels._common import (
     ACTIVATION_CODES,
+    acc_dtypes,
     grad_z,
     split_mean,
     tile_mask,
@@ -25,7 +26,6 @@ from tritonbn.kernels._common import (
 from tritonbn.kernels._layout import plan
 from tritonbn.kernels.backward_reduce import aux_tensor
 from tritonbn.kernels.elemt import empty_like_layout
-from tritonbn.kernels.stats import acc_dtype
 
 
 # One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).
@@ -237,7 +237,7 @@ def batch_norm_backward_elemt(
         AUX=aux_kind,
         WRITE_DX=dx is not None,
         WRITE_DR=out_grad_residual is not None,
-        ACC=acc_dtype(x),
+        ACC=acc_dtypes(x)[0],
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
         VEC=layout.VEC,

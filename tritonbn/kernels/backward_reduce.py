@@ -23,6 +23,7 @@ from tritonbn.kernels._common import (
     AUX_NONE,
     AUX_OUTPUT,
     AUX_RESIDUAL,
+    acc_dtypes,
     grad_z,
     merge_partials,
     split_mean,
@@ -33,7 +34,6 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._layout import plan, tickets
-from tritonbn.kernels.stats import acc_dtype
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
@@ -219,11 +219,10 @@ def batch_norm_backward_reduce(
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
     C, R = layout.C, layout.r_progs
-    acc = acc_dtype(x)
-    sdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc, sdtype = acc_dtypes(x)
     part = torch.empty((2, R, C), dtype=sdtype, device=x.device)
     sums = torch.empty((2, C), dtype=sdtype, device=x.device)
-    gdtype = weight.dtype if weight is not None else x.dtype if x.dtype == torch.float64 else torch.float32
+    gdtype = weight.dtype if weight is not None else sdtype
     grad_weight = torch.empty(C, dtype=gdtype, device=x.device) if weight_grad else None
     grad_bias = torch.empty(C, dtype=gdtype, device=x.device) if bias_grad else None
     _batch_norm_backward_reduce_kernel[layout.grid](

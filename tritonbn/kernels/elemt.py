@@ -28,6 +28,7 @@ import triton.language as tl
 
 from tritonbn.kernels._common import (
     ACTIVATION_CODES,
+    acc_dtypes,
     activate,
     channel_stats,
     split_mean,
@@ -38,7 +39,6 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._layout import plan, tickets
-from tritonbn.kernels.stats import acc_dtype
 
 
 # One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).
@@ -234,9 +234,9 @@ def batch_norm_elemt(
     y = empty_like_layout(x)
     layout = plan(x.shape, x, y, residual if residual is not None else x)
     C = layout.C
-    acc = acc_dtype(x)
+    acc, acc_torch = acc_dtypes(x)
     mean = torch.empty(C, dtype=torch.float64, device=x.device)
-    invstd = torch.empty(C, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    invstd = torch.empty(C, dtype=acc_torch, device=x.device)
     update = training and running_mean is not None
     has_nbt = update and num_batches_tracked is not None
     dummy = mean

@@ -25,7 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonbn.kernels._common import merge_partials, take_ticket, tile_mask, tile_next, tile_offsets, tile_start
+from tritonbn.kernels._common import (
+    acc_dtypes,
+    merge_partials,
+    take_ticket,
+    tile_mask,
+    tile_next,
+    tile_offsets,
+    tile_start,
+)
 from tritonbn.kernels._layout import plan, tickets
 
 
@@ -112,11 +120,6 @@ def _batch_norm_stats_kernel(
         tl.store(ticket_ptr + pid_c, 0)  # ready for the next launch
 
 
-def acc_dtype(x: torch.Tensor):
-    """The kernels' arithmetic type for ``x``: float64 for float64 inputs, else float32."""
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
-
-
 def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     """Local per-channel statistics of ``x``, packed for one SUM all-reduce (one launch).
 
@@ -132,8 +135,8 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     """
     layout = plan(x.shape, x, tile_scale=2)
     C, R = layout.C, layout.r_progs
-    acc = acc_dtype(x)
-    part = torch.empty((2, R, C), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    acc, acc_torch = acc_dtypes(x)
+    part = torch.empty((2, R, C), dtype=acc_torch, device=x.device)
     stats = torch.empty(2 * C + 1, dtype=torch.float64, device=x.device)
     _batch_norm_stats_kernel[layout.grid](
         x,
