@@ -34,7 +34,8 @@ and for the **main loop**:
   load, ends a round trip (consecutive waits before that next load end one). Round trips = 1 + the
   number of such ends (0 without loads);
 * ``sass_per_element``: instructions in the loop body / elements per thread per iteration, the
-  tile (``BLOCK_C * BLOCK_I``, else the product of the ``BLOCK_*`` constexprs) over num_warps * 32.
+  tile (``BLOCK_C * BLOCK_I``; ``BLOCK_I`` for a grouped plan, ``PLANE > 0``, whose tile is one row;
+  else the product of the ``BLOCK_*`` constexprs) over num_warps * 32.
 """
 
 from __future__ import annotations
@@ -417,6 +418,8 @@ _PTXAS = {
 
 
 def tile_elements(constexprs: dict) -> int:
+    if int(constexprs.get("PLANE", 0) or 0) > 0:  # a grouped plan: one row of BLOCK_I lanes
+        return int(constexprs["BLOCK_I"])
     if "BLOCK_C" in constexprs and "BLOCK_I" in constexprs:
         return int(constexprs["BLOCK_C"]) * int(constexprs["BLOCK_I"])
     blocks = [int(v) for k, v in constexprs.items() if k.startswith("BLOCK")]

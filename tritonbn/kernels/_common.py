@@ -67,6 +67,91 @@ def tile_offsets(o, cols, inner, O1, O2, s_c, s_o0, s_o1, s_o2, s_i, VEC: tl.con
 
 
 @triton.jit
+def channel_block(pid_c, C, BLOCK_C: tl.constexpr, GROUP: tl.constexpr):
+    """``(cols, c_mask)``: the ``BLOCK_C`` channel slots of program ``pid_c``, of which the first ``GROUP``
+    are its channels (all of them unless the plan is grouped, see :mod:`tritonbn.kernels._layout`)."""
+    k = tl.arange(0, BLOCK_C)
+    cols = pid_c * GROUP + k
+    if GROUP == BLOCK_C:
+        return cols, cols < C
+    else:
+        return cols, (k < GROUP) & (cols < C)
+
+
+@triton.jit
+def tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr):
+    """``(rows, row_mask, inner_v)``: the rows of this program's tiles, their mask, and its inner size / VEC.
+
+    The rows are the channels; in a grouped plan (``PLANE > 0``) one row, the group, at element offset
+    ``pid_c * GROUP * PLANE`` (the plan gives it a channel stride of 1, and :func:`tile_offsets` then
+    takes ``VEC=1``), whose run is ``GROUP * PLANE`` elements, fewer for a last group that ``C`` cuts
+    short.
+    """
+    if PLANE > 0:
+        rows = tl.zeros([1], dtype=cols.dtype) + pid_c * (GROUP * PLANE)
+        return rows, rows >= 0, tl.minimum(INNER_V, (C - pid_c * GROUP) * PLANE // VEC)
+    else:
+        return cols, c_mask, INNER_V
+
+
+@triton.jit
+def lane_channels(BLOCK_I: tl.constexpr, PLANE: tl.constexpr):
+    """The channel slot of each lane of a grouped tile (the lanes themselves when not grouped)."""
+    lanes = tl.arange(0, BLOCK_I)
+    if PLANE > 0:
+        return lanes // PLANE
+    else:
+        return lanes
+
+
+@triton.jit
+def per_lane(v, lane_ch, PLANE: tl.constexpr):
+    """A per-channel ``[BLOCK_C]`` value in the tile's shape: ``v[:, None]``, or in a grouped plan each
+    lane's channel's value, ``v[lane_ch][None, :]`` (a register gather, once per program)."""
+    if PLANE > 0:
+        return tl.gather(v, lane_ch, 0)[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _segmented_add(start_a, a, start_b, b):
+    """Combine of a segmented sum: a segment that starts in ``b`` drops what came before it."""
+    return start_a | start_b, tl.where(start_b != 0, b, a + b)
+
+
+@triton.jit
+def segment_sums(v, starts):
+    """Sums of ``v`` (1-D) over its segments, at each segment's last element.
+
+    ``starts`` (int32, nonzero) marks each segment's first element."""
+    _, s = tl.associative_scan((starts, v), 0, _segmented_add)
+    return s
+
+
+@triton.jit
+def store_partials(part_ptr, pid_r, R, C, cols, c_mask, a0, a1, pid_c, lanes, inner_v,
+                   PLANE: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, MERGE: tl.constexpr):  # fmt: skip
+    """Store this program's two per-lane accumulators, their lanes merged in ``MERGE``, as row ``pid_r``
+    of ``(2, R, C)`` fp64 partials.
+
+    A grouped tile's lanes are reduced to channels by a segmented scan that restarts at each channel's
+    first lane: the value at a channel's last lane is its sum, untouched by its neighbours however
+    different their sizes.
+    """
+    part = part_ptr + pid_r * C
+    if PLANE > 0:
+        starts = (lanes % PLANE == 0).to(tl.int32)
+        ends = (lanes % PLANE == PLANE - 1) & (lanes < inner_v * VEC)
+        ch = pid_c * GROUP + lanes // PLANE
+        tl.store(part + ch, segment_sums(tl.sum(a0, axis=0).to(MERGE), starts), mask=ends)
+        tl.store(part + R * C + ch, segment_sums(tl.sum(a1, axis=0).to(MERGE), starts), mask=ends)
+    else:
+        tl.store(part + cols, tl.sum(a0.to(MERGE), axis=1), mask=c_mask)
+        tl.store(part + R * C + cols, tl.sum(a1.to(MERGE), axis=1), mask=c_mask)
+
+
+@triton.jit
 def take_ticket(ticket_ptr):
     """Draw this program's ticket: the number of programs sharing the counter that drew one before it.
 
@@ -165,12 +250,14 @@ AUX_NONE, AUX_RESIDUAL, AUX_OUTPUT = 0, 1, 2
 
 @triton.jit
 def grad_z(dy, xc, scale, bias, aux, slope, ACTIVATION: tl.constexpr, AUX: tl.constexpr):
-    """The gradient at z = xhat * w + b (+ residual), from dy at y = act(z); ``xc = x - mean``."""
+    """The gradient at z = xhat * w + b (+ residual), from dy at y = act(z); ``xc = x - mean``.
+
+    ``scale`` and ``bias`` come in the tile's shape (see :func:`per_lane`)."""
     if ACTIVATION != 0:
         if AUX == 2:
             z = aux
         else:
-            z = xc * scale[:, None] + bias[:, None]
+            z = xc * scale + bias
             if AUX == 1:
                 z += aux
         dy = activation_grad(dy, z, slope, ACTIVATION)

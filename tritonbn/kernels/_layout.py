@@ -13,12 +13,23 @@ A kernel walks ``[BLOCK_C, BLOCK_I]`` tiles: a block of channels by a block of t
 one outer index. Tiles are numbered ``t = outer * inner_tiles + inner_tile`` and split into
 contiguous chunks, one chunk per program along grid axis 1, so the reduction runs in parallel
 over channels (axis 0) *and* over ``N*S`` (axis 1). No ``.contiguous()`` copy is ever made.
+
+**Channel groups.** A contiguous NCHW plane whose size has no factor of 8 (7x7 = 49, 14x14 = 196,
+3x3 = 9) cannot be read in 16-byte vectors plane by plane: plane ``c`` starts at ``c * 49``
+elements. ``GROUP`` consecutive planes, though, are one contiguous run per sample that starts on a
+16-byte boundary when ``GROUP * H * W`` is a multiple of 8. For such inputs the plan is *grouped*
+(``PLANE = H * W``): a program owns ``GROUP`` channels, and its tile is a ``[1, BLOCK_I]`` run of
+``GROUP * PLANE`` elements (up to 5% of the lanes idle) of one sample; lane ``f`` belongs to channel
+``f // PLANE`` of the group. The kernels broadcast per-channel values to the lanes once per program
+(:func:`tritonbn.kernels._common.per_lane`) and reduce lanes to channels by a segmented scan
+(:func:`tritonbn.kernels._common.store_partials`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +42,7 @@ _CPU_PROGRAMS = 4
 _MERGE_TILE = 2048  # elements of the [BLOCK_R, BLOCK_C] tile the last program merges partials with
 _PROGRAMS_PER_SM = 4
 _INT32_MAX = 2**31 - 1
+_GROUP_ALIGN = 8  # elements a grouped run starts on: 16 bytes of fp16/bf16, 32 of fp32
 
 
 def _next_pow2(n: int) -> int:
@@ -104,6 +116,8 @@ class Plan:
     num_warps: int
     VEC: int  # divides INNER and every channel and outer stride (see _vector_hint)
     BLOCK_R: int  # rows of partials the last program merges at a time
+    PLANE: int  # grouped plans: the plane size (lanes per channel); 0 otherwise
+    GROUP: int  # channels per program: GROUP of the BLOCK_C per-channel slots (BLOCK_C when not grouped)
     # What every kernel takes, computed once per plan:
     size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
     stride_args: tuple[int, ...]  # per tensor: (s_c, s_o0, s_o1, s_o2) / VEC, then s_i
@@ -175,6 +189,14 @@ def _plan(
     strides = tuple((st[1], s0[k], s1[k], s2[k], inner_strides[k]) for k, st in enumerate(all_strides))
 
     tile = (_GPU_TILE if kind[0] == "cuda" else _CPU_TILE) * tile_scale
+    max_offset = 0
+    if all(shape):
+        max_offset = max(sum((size - 1) * abs(s) for size, s in zip(shape, st, strict=True)) for st in all_strides)
+    # A grouped tile stays at one tile's lanes even for the statistics: their segmented scan, in fp64,
+    # would need more than 128 registers at twice that.
+    grouped = _grouped(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset)
+    if grouped is not None:
+        return grouped
     c_pow2 = _next_pow2(C)
     channels_fastest = all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
     if channels_fastest:  # channels_last: lanes along C are contiguous
@@ -190,10 +212,6 @@ def _plan(
     tiles_per_prog = max(1, -(-tiles // r_progs))
     r_progs = max(1, -(-tiles // tiles_per_prog))  # drop programs that would get no tile
     VEC = _vector_hint(inner_size, strides)
-
-    max_offset = 0
-    if all(shape):
-        max_offset = max(sum((size - 1) * abs(s) for size, s in zip(shape, st, strict=True)) for st in all_strides)
     return Plan(
         C=C,
         O1=o1,
@@ -214,8 +232,70 @@ def _plan(
         num_warps=8 if BLOCK_C * BLOCK_I >= 2048 * tile_scale else 4,
         VEC=VEC,
         BLOCK_R=max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C)),
+        PLANE=0,
+        GROUP=BLOCK_C,
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
         stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
+    )
+
+
+def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> Plan | None:
+    """The grouped plan (see the module docstring) when it gives 16-byte vectors that planes alone
+    cannot, else ``None``.
+
+    It needs every tensor's planes contiguous and back to back (``stride_c == H * W``, unit inner
+    stride), at most one outer dim (``N``) with a stride divisible by 16, ``C`` a multiple of the
+    smallest aligned group, and a group that fits a tile. The kernels take the outer strides as they
+    are (not divided by ``VEC``): Triton's divisibility-by-16 specialization of integer arguments
+    shows their alignment, and the loop steps by a stride it reads straight from the constant bank.
+    """
+    if extra_outer != 1 or plane < 2 or C < 2 or _vector_hint(plane, strides) >= _GROUP_ALIGN:
+        return None
+    if not all(s[4] == 1 and s[0] == plane for s in strides):
+        return None
+    g_min = _GROUP_ALIGN // math.gcd(plane, _GROUP_ALIGN)
+    group = (tile // plane) // g_min * g_min
+    if group == 0 or C % g_min:
+        return None
+    if group >= C:  # every channel in one group: a tile just large enough
+        group, tile = C, _next_pow2(C * plane)
+    outer_strides = [s[1] for s in strides] if outer > 1 else []
+    if any(s % 16 for s in outer_strides):  # Triton's own divisibility-by-16 hint must hold for them
+        return None
+    vec = 16  # what the masks change by: the run of a group, and of the last one
+    for v in (group * plane, C * plane):
+        while v % vec:
+            vec //= 2
+    BLOCK_C = _next_pow2((tile - 1) // plane + 1)  # a slot for the channel of every lane, idle ones included
+    c_blocks = -(-C // group)
+    tiles = outer
+    r_progs = max(1, min(tiles, -(-_target_programs(kind) // c_blocks)))
+    tiles_per_prog = max(1, -(-tiles // r_progs))
+    r_progs = max(1, -(-tiles // tiles_per_prog))
+    return Plan(
+        C=C,
+        O1=1,
+        O2=1,
+        INNER=group * plane,
+        outer=outer,
+        strides=tuple((s[0], s[1] if outer > 1 else 0, 0, 0, 1) for s in strides),
+        BLOCK_C=BLOCK_C,
+        BLOCK_I=tile,
+        c_blocks=c_blocks,
+        inner_tiles=1,
+        tiles=tiles,
+        r_progs=r_progs,
+        tiles_per_prog=tiles_per_prog,
+        use_int64=max_offset > _INT32_MAX or tiles * tile > _INT32_MAX,
+        num_warps=8 if tile >= _GPU_TILE else 4,
+        VEC=vec,
+        BLOCK_R=max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C)),
+        PLANE=plane,
+        GROUP=group,
+        size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
+        # As they are: a tile starts at o * stride_o0 + pid_c * GROUP * PLANE (see _common.tile_rows),
+        # whose alignment Triton sees from its hint on the stride and from the constexprs.
+        stride_args=tuple(x for s in strides for x in (1, s[1] if outer > 1 else 0, 0, 0, 1)),
     )
 
 

@@ -16,11 +16,15 @@ import triton.language as tl
 from tritonbn.kernels._common import (
     ACTIVATION_CODES,
     acc_dtypes,
+    channel_block,
     grad_z,
+    lane_channels,
+    per_lane,
     split_mean,
     tile_mask,
     tile_next,
     tile_offsets,
+    tile_rows,
     tile_start,
 )
 from tritonbn.kernels._layout import plan
@@ -90,13 +94,14 @@ def _batch_norm_backward_elemt_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
     VEC: tl.constexpr,
+    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
+    GROUP: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
 ):
     """dx = (dz - mean(dz) - xhat * mean(dz * xhat)) * invstd * weight, and d(residual) = dz."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = cols < C
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
     invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     if HAS_WEIGHT:
         scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=0.0).to(ACC)
@@ -106,47 +111,55 @@ def _batch_norm_backward_elemt_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     hi, lo = split_mean(tl.load(mean_ptr + cols, mask=c_mask, other=0.0), ACC)
+    lane_ch = lane_channels(BLOCK_I, PLANE)
     if TRAINING:
         inv_n = (1.0 / tl.maximum(tl.load(count_ptr), 1.0)).to(ACC)
         mean_dy = tl.load(sums_ptr + cols, mask=c_mask, other=0.0).to(ACC) * inv_n
         # xhat * mean(dy * xhat) = (x - mean) * invstd^2 * mean(dy * xhat)
         k = tl.load(sums_ptr + C + cols, mask=c_mask, other=0.0).to(ACC) * inv_n * invstd
         # dx = (dz - k * (x - hi)) * scale + c, with c = (k * lo - mean_dy) * scale
-        c = (k * lo - mean_dy) * scale
+        c = per_lane((k * lo - mean_dy) * scale, lane_ch, PLANE)
+        k = per_lane(k, lane_ch, PLANE)
+    hi = per_lane(hi, lane_ch, PLANE)
+    lo = per_lane(lo, lane_ch, PLANE)
+    scale = per_lane(scale, lane_ch, PLANE)
+    bias = per_lane(bias, lane_ch, PLANE)
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
         cols = cols.to(tl.int64)
         lanes = lanes.to(tl.int64)
     NEED_X: tl.constexpr = TRAINING or (ACTIVATION != 0 and AUX != 2)  # dx needs xhat, or z is recomputed
     READ_AUX: tl.constexpr = ACTIVATION != 0 and AUX != 0
+    OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
-    inner, mask = tile_mask(it, t_start < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
-    dy = tl.load(dy_ptr + tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC), mask=mask)
+    inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+    dy = tl.load(dy_ptr + tile_offsets(o, rows, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, OVEC), mask=mask)
     if NEED_X:
-        x = tl.load(x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask)
+        x = tl.load(x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask)
     if READ_AUX:
-        aux = tl.load(aux_ptr + tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC), mask=mask)
+        aux = tl.load(aux_ptr + tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC), mask=mask)
     for t in range(t_start, t_end):
         o_cur, inner_cur, out_mask = o, inner, mask
         # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
         o, it = tile_next(o, it, inner_tiles)
-        inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+        inner, mask = tile_mask(it, t + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
         dy_next = tl.load(
-            dy_ptr + tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC), mask=mask
+            dy_ptr + tile_offsets(o, rows, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, OVEC), mask=mask
         )
         if NEED_X:
             x_next = tl.load(
-                x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask
+                x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask
             )
         if READ_AUX:
-            a_offs = tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC)
+            a_offs = tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC)
             aux_next = tl.load(aux_ptr + a_offs, mask=mask)
         # Every load of the next tile is issued; now the current one.
         dz = dy.to(ACC)
         if NEED_X:
-            xc = x.to(ACC) - hi[:, None]
+            xc = x.to(ACC) - hi
             x = x_next
         else:
             xc = dz
@@ -156,16 +169,16 @@ def _batch_norm_backward_elemt_kernel(
         else:
             a = dz
         if ACTIVATION != 0:
-            dz = grad_z(dz, xc - lo[:, None], scale, bias, a, slope, ACTIVATION, AUX)
+            dz = grad_z(dz, xc - lo, scale, bias, a, slope, ACTIVATION, AUX)
         if WRITE_DR:
-            dr_offs = tile_offsets(o_cur, cols, inner_cur, O1, O2, sdr_c, sdr_o0, sdr_o1, sdr_o2, sdr_i, VEC)
+            dr_offs = tile_offsets(o_cur, rows, inner_cur, O1, O2, sdr_c, sdr_o0, sdr_o1, sdr_o2, sdr_i, OVEC)
             tl.store(dr_ptr + dr_offs, dz.to(dr_ptr.dtype.element_ty), mask=out_mask)
         if WRITE_DX:
             if TRAINING:
-                dx = (dz - xc * k[:, None]) * scale[:, None] + c[:, None]
+                dx = (dz - xc * k) * scale + c
             else:
-                dx = dz * scale[:, None]
-            dx_offs = tile_offsets(o_cur, cols, inner_cur, O1, O2, sdx_c, sdx_o0, sdx_o1, sdx_o2, sdx_i, VEC)
+                dx = dz * scale
+            dx_offs = tile_offsets(o_cur, rows, inner_cur, O1, O2, sdx_c, sdx_o0, sdx_o1, sdx_o2, sdx_i, OVEC)
             tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=out_mask)
         dy = dy_next
 
@@ -241,6 +254,8 @@ def batch_norm_backward_elemt(
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
         VEC=layout.VEC,
+        PLANE=layout.PLANE,
+        GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
         num_warps=layout.num_warps,
     )

@@ -24,13 +24,18 @@ from tritonbn.kernels._common import (
     AUX_OUTPUT,
     AUX_RESIDUAL,
     acc_dtypes,
+    channel_block,
     grad_z,
+    lane_channels,
     merge_partials,
+    per_lane,
     split_mean,
+    store_partials,
     take_ticket,
     tile_mask,
     tile_next,
     tile_offsets,
+    tile_rows,
     tile_start,
 )
 from tritonbn.kernels._layout import plan, tickets
@@ -48,7 +53,7 @@ def _batch_norm_backward_reduce_kernel(
     invstd_ptr,  # (C,) ACC saved invstd
     w_ptr,  # (C,) or unused
     b_ptr,  # (C,) or unused
-    part_ptr,  # (2, R, C) ACC: each program's sum_dz, sum_dz_xc
+    part_ptr,  # (2, R, C) fp64: each program's sum_dz, sum_dz_xc
     sums_ptr,  # (2, C) ACC out: [sum_dz | sum_dz_xhat]
     gw_ptr,  # (C,) out: local grad_weight, or unused
     gb_ptr,  # (C,) out: local grad_bias, or unused
@@ -91,13 +96,14 @@ def _batch_norm_backward_reduce_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr,
     VEC: tl.constexpr,
+    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
+    GROUP: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
 ):
     """Per-lane sums of dz and dz * (x - mean_hi); the last program merges every chunk."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = cols < C
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
     hi, lo = split_mean(tl.load(mean_ptr + cols, mask=c_mask, other=0.0), ACC)
     invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     scale = invstd
@@ -106,40 +112,47 @@ def _batch_norm_backward_reduce_kernel(
     bias = tl.zeros([BLOCK_C], dtype=ACC)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(ACC)
+    lane_ch = lane_channels(BLOCK_I, PLANE)
+    hi_l = per_lane(hi, lane_ch, PLANE)
+    lo_l = per_lane(lo, lane_ch, PLANE)
+    scale_l = per_lane(scale, lane_ch, PLANE)
+    bias_l = per_lane(bias, lane_ch, PLANE)
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
         cols = cols.to(tl.int64)
         lanes = lanes.to(tl.int64)
     READ_AUX: tl.constexpr = ACTIVATION != 0 and AUX != 0
-    acc_dz = tl.zeros([BLOCK_C, BLOCK_I], dtype=ACC)
-    acc_dzx = tl.zeros([BLOCK_C, BLOCK_I], dtype=ACC)
+    OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
-    inner, mask = tile_mask(it, t_start < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
+    inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
     # Masked lanes read dy = 0, so they add exactly 0 to both sums.
     dy = tl.load(
-        dy_ptr + tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC), mask=mask, other=0.0
+        dy_ptr + tile_offsets(o, rows, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, OVEC), mask=mask, other=0.0
     )
     x = tl.load(
-        x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask, other=0.0
+        x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask, other=0.0
     )
     if READ_AUX:
         aux = tl.load(
-            aux_ptr + tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC), mask=mask, other=0.0
+            aux_ptr + tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC), mask=mask, other=0.0
         )
+    acc_dz = tl.zeros(mask.shape, dtype=ACC)
+    acc_dzx = tl.zeros(mask.shape, dtype=ACC)
     for t in range(t_start, t_end):
         # Prefetch the next tile (masked off past the chunk), then use the current one.
         o, it = tile_next(o, it, inner_tiles)
-        inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
-        dy_offs = tile_offsets(o, cols, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, VEC)
-        x_offs = tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC)
+        inner, mask = tile_mask(it, t + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+        dy_offs = tile_offsets(o, rows, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, OVEC)
+        x_offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
         dy_next = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0)
         x_next = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
         if READ_AUX:
-            a_offs = tile_offsets(o, cols, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, VEC)
+            a_offs = tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC)
             aux_next = tl.load(aux_ptr + a_offs, mask=mask, other=0.0)
-        xc = x.to(ACC) - hi[:, None]
+        xc = x.to(ACC) - hi_l
         dz = dy.to(ACC)
         if ACTIVATION != 0:
             if READ_AUX:
@@ -147,16 +160,14 @@ def _batch_norm_backward_reduce_kernel(
                 aux = aux_next
             else:
                 a = dz
-            dz = grad_z(dz, xc - lo[:, None], scale, bias, a, slope, ACTIVATION, AUX)
+            dz = grad_z(dz, xc - lo_l, scale_l, bias_l, a, slope, ACTIVATION, AUX)
         acc_dz += dz
         acc_dzx += dz * xc
         dy = dy_next
         x = x_next
 
-    # This program's partials, its lanes merged.
-    part = part_ptr + pid_r * C + cols
-    tl.store(part, tl.sum(acc_dz, axis=1), mask=c_mask)
-    tl.store(part + R * C, tl.sum(acc_dzx, axis=1), mask=c_mask)
+    # This program's partials, its lanes merged in ACC.
+    store_partials(part_ptr, pid_r, R, C, cols, c_mask, acc_dz, acc_dzx, pid_c, lanes, inner_v, PLANE, GROUP, VEC, ACC)
     if take_ticket(ticket_ptr + pid_c) == R - 1:
         # The last program of this channel block: merge the R partials in a fixed order, in fp64.
         sum_dz, sum_dzx_hi = merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R, BLOCK_C)
@@ -220,7 +231,7 @@ def batch_norm_backward_reduce(
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
     C, R = layout.C, layout.r_progs
     acc, sdtype = acc_dtypes(x)
-    part = torch.empty((2, R, C), dtype=sdtype, device=x.device)
+    part = torch.empty((2, R, C), dtype=torch.float64, device=x.device)
     sums = torch.empty((2, C), dtype=sdtype, device=x.device)
     gdtype = weight.dtype if weight is not None else sdtype
     grad_weight = torch.empty(C, dtype=gdtype, device=x.device) if weight_grad else None
@@ -253,6 +264,8 @@ def batch_norm_backward_reduce(
         BLOCK_I=layout.BLOCK_I,
         BLOCK_R=layout.BLOCK_R,
         VEC=layout.VEC,
+        PLANE=layout.PLANE,
+        GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
         num_warps=layout.num_warps,
     )

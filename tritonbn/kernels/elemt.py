@@ -30,12 +30,16 @@ from tritonbn.kernels._common import (
     ACTIVATION_CODES,
     acc_dtypes,
     activate,
+    channel_block,
     channel_stats,
+    lane_channels,
+    per_lane,
     split_mean,
     take_ticket,
     tile_mask,
     tile_next,
     tile_offsets,
+    tile_rows,
     tile_start,
 )
 from tritonbn.kernels._layout import plan, tickets
@@ -100,13 +104,14 @@ def _batch_norm_elemt_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
     VEC: tl.constexpr,
+    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
+    GROUP: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
 ):
     """y = act((x - mean) * invstd * weight + bias + residual), plus saved stats and the running-stat update."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = cols < C
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
     mean64, var64, n_all = channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING)
     invstd64 = 1.0 / tl.sqrt(var64 + (tl.cast(eps, tl.float64) + tl.cast(eps_lo, tl.float64)))
     invstd = invstd64.to(ACC)
@@ -124,7 +129,7 @@ def _batch_norm_elemt_kernel(
                 factor = 1.0 / (nbt + 1).to(tl.float64)
             else:
                 factor = tl.cast(momentum, tl.float64) + tl.cast(momentum_lo, tl.float64)
-            um = cols < tl.where(n_all > 0, C, 0)
+            um = c_mask & (cols < tl.where(n_all > 0, C, 0))
             unbiased = var64 * n_all / tl.maximum(n_all - 1.0, 1.0)
             rm = tl.load(rmean_ptr + cols, mask=um, other=0.0).to(tl.float64)
             rv = tl.load(rvar_ptr + cols, mask=um, other=0.0).to(tl.float64)
@@ -146,33 +151,39 @@ def _batch_norm_elemt_kernel(
     shift = -lo * scale
     if HAS_BIAS:
         shift += tl.load(b_ptr + cols, mask=c_mask, other=0.0).to(ACC)
+    lane_ch = lane_channels(BLOCK_I, PLANE)
+    hi = per_lane(hi, lane_ch, PLANE)
+    scale = per_lane(scale, lane_ch, PLANE)
+    shift = per_lane(shift, lane_ch, PLANE)
 
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
         cols = cols.to(tl.int64)
         lanes = lanes.to(tl.int64)
+    OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
-    inner, mask = tile_mask(it, t_start < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
-    x = tl.load(x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask)
+    inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+    x = tl.load(x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask)
     if HAS_RESIDUAL:
-        res = tl.load(r_ptr + tile_offsets(o, cols, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, VEC), mask=mask)
+        res = tl.load(r_ptr + tile_offsets(o, rows, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, OVEC), mask=mask)
     for t in range(t_start, t_end):
         o_cur, inner_cur, y_mask = o, inner, mask
         # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
         o, it = tile_next(o, it, inner_tiles)
-        inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
-        x_next = tl.load(x_ptr + tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC), mask=mask)
+        inner, mask = tile_mask(it, t + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+        x_next = tl.load(x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask)
         if HAS_RESIDUAL:
-            r_offs = tile_offsets(o, cols, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, VEC)
+            r_offs = tile_offsets(o, rows, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, OVEC)
             res_next = tl.load(r_ptr + r_offs, mask=mask)
-        y = (x.to(ACC) - hi[:, None]) * scale[:, None] + shift[:, None]
+        y = (x.to(ACC) - hi) * scale + shift
         if HAS_RESIDUAL:
             y += res.to(ACC)
             res = res_next
         y = activate(y, slope, ACTIVATION)
-        y_offs = tile_offsets(o_cur, cols, inner_cur, O1, O2, sy_c, sy_o0, sy_o1, sy_o2, sy_i, VEC)
+        y_offs = tile_offsets(o_cur, rows, inner_cur, O1, O2, sy_c, sy_o0, sy_o1, sy_o2, sy_i, OVEC)
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
         x = x_next
 
@@ -270,6 +281,8 @@ def batch_norm_elemt(
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
         VEC=layout.VEC,
+        PLANE=layout.PLANE,
+        GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
         num_warps=layout.num_warps,
     )

@@ -27,11 +27,16 @@ import triton.language as tl
 
 from tritonbn.kernels._common import (
     acc_dtypes,
+    channel_block,
+    lane_channels,
     merge_partials,
+    per_lane,
+    store_partials,
     take_ticket,
     tile_mask,
     tile_next,
     tile_offsets,
+    tile_rows,
     tile_start,
 )
 from tritonbn.kernels._layout import plan, tickets
@@ -43,7 +48,7 @@ from tritonbn.kernels._layout import plan, tickets
 def _batch_norm_stats_kernel(
     # pointers
     x_ptr,  # (N, C, *S), any strides
-    part_ptr,  # (2, R, C) PART: each program's shifted sums S1, S2
+    part_ptr,  # (2, R, C) fp64: each program's shifted sums S1, S2
     stats_ptr,  # (2C + 1,) fp64 out: [sum x | sum x^2 | count]
     ticket_ptr,  # (channel blocks,) int32, zero before and after
     # sizes
@@ -68,46 +73,53 @@ def _batch_norm_stats_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr,
     VEC: tl.constexpr,
+    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
+    GROUP: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
 ):
     """Shifted per-lane sums of x over a chunk of tiles; the last program merges every chunk."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = cols < C
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
+    lane_ch = lane_channels(BLOCK_I, PLANE)
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
         cols = cols.to(tl.int64)
         lanes = lanes.to(tl.int64)
     # The pivot: each channel's first element (the same for every program of this rank).
-    has_data = cols < tl.minimum(tiles, 1) * C
-    first = tl.load(x_ptr + cols * (sx_c * VEC), mask=has_data, other=0.0)
+    has_data = c_mask & (cols < tl.minimum(tiles, 1) * C)
+    if PLANE > 0:
+        first = tl.load(x_ptr + cols * PLANE, mask=has_data, other=0.0)
+    else:
+        first = tl.load(x_ptr + cols * (sx_c * VEC), mask=has_data, other=0.0)
     pivot = first.to(ACC)
+    first_l = per_lane(first, lane_ch, PLANE)
+    pivot_l = per_lane(pivot, lane_ch, PLANE)
 
-    s1 = tl.zeros([BLOCK_C, BLOCK_I], dtype=ACC)
-    s2 = tl.zeros([BLOCK_C, BLOCK_I], dtype=ACC)
+    OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
-    inner, mask = tile_mask(it, t_start < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
-    offs = tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC)
+    inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+    offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
     # Masked lanes read the pivot itself, so they add exactly 0 without a select.
-    x = tl.load(x_ptr + offs, mask=mask, other=first[:, None])
+    x = tl.load(x_ptr + offs, mask=mask, other=first_l)
+    s1 = tl.zeros(x.shape, dtype=ACC)
+    s2 = tl.zeros(x.shape, dtype=ACC)
     for t in range(t_start, t_end):
         # Prefetch the next tile (masked off past the chunk), then use the current one.
         o, it = tile_next(o, it, inner_tiles)
-        inner, mask = tile_mask(it, t + 1 < t_end, c_mask, lanes, INNER_V, BLOCK_I, VEC)
-        offs = tile_offsets(o, cols, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, VEC)
-        x_next = tl.load(x_ptr + offs, mask=mask, other=first[:, None])
-        d = x.to(ACC) - pivot[:, None]
+        inner, mask = tile_mask(it, t + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+        offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
+        x_next = tl.load(x_ptr + offs, mask=mask, other=first_l)
+        d = x.to(ACC) - pivot_l
         s1 += d
         s2 += d * d
         x = x_next
 
     # This program's partials, its lanes merged in fp64.
-    part = part_ptr + pid_r * C + cols
-    tl.store(part, tl.sum(s1.to(tl.float64), axis=1).to(part_ptr.dtype.element_ty), mask=c_mask)
-    tl.store(part + R * C, tl.sum(s2.to(tl.float64), axis=1).to(part_ptr.dtype.element_ty), mask=c_mask)
+    store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, GROUP, VEC, tl.float64)
     if take_ticket(ticket_ptr + pid_c) == R - 1:
         # The last program of this channel block: merge the R partials in a fixed order.
         S1, S2 = merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R, BLOCK_C)
@@ -135,8 +147,8 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     """
     layout = plan(x.shape, x, tile_scale=2)
     C, R = layout.C, layout.r_progs
-    acc, acc_torch = acc_dtypes(x)
-    part = torch.empty((2, R, C), dtype=acc_torch, device=x.device)
+    acc, _ = acc_dtypes(x)
+    part = torch.empty((2, R, C), dtype=torch.float64, device=x.device)
     stats = torch.empty(2 * C + 1, dtype=torch.float64, device=x.device)
     _batch_norm_stats_kernel[layout.grid](
         x,
@@ -152,6 +164,8 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
         BLOCK_I=layout.BLOCK_I,
         BLOCK_R=layout.BLOCK_R,
         VEC=layout.VEC,
+        PLANE=layout.PLANE,
+        GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
         num_warps=layout.num_warps,
     )

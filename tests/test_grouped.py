@@ -1,0 +1,122 @@
+"""Grouped plans: contiguous NCHW planes with no factor of 8 (7x7, 14x14, 3x3), read as runs of whole channels.
+
+Each case checks first that the plan really is grouped (so the test exercises that path), then runs
+the module path against the float64 oracle. ``mid_tiles`` makes groups small enough that a layer has
+several groups, a last group that ``C`` cuts short, and several programs per group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import PARAM_GRAD_TOL, TOLERANCES
+
+import tritonbn
+from tritonbn.kernels import _layout
+from tritonbn.kernels._layout import plan, planned_as
+
+
+@pytest.fixture
+def mid_tiles(monkeypatch):
+    monkeypatch.setattr(_layout, "_CPU_TILE", 2048)
+    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
+    _layout._plan.cache_clear()
+    yield
+    _layout._plan.cache_clear()
+
+
+# (shape, groups of the elementwise plan): 7x7 with a short last group, 14x14, 3x3 in one group, 3-D
+CASES = [((3, 48, 7, 7), 2), ((2, 32, 14, 14), 4), ((4, 16, 3, 3), 1), ((2, 16, 3, 5, 7), 1)]
+
+
+def _oracle(x, r, dy, w, b, act):
+    x = x.detach().double().requires_grad_()
+    w, b = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    C = x.shape[1]
+    rm, rv = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
+    z = F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5) + r.double()
+    y = act(z)
+    y.backward(dy.double())
+    return y.detach(), x.grad, w.grad, b.grad, rm, rv
+
+
+def _close(actual, expected, tol, what):
+    atol, rtol = tol
+    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("shape", "groups"), CASES)
+def test_grouped_plan_matches_oracle(mid_tiles, shape, groups, dtype):
+    torch.manual_seed(0)
+    C = shape[1]
+    x = torch.randn(shape) * (torch.rand(C) * 3 + 0.1).view(1, C, *[1] * (len(shape) - 2)) + 2
+    r, dy = torch.randn(shape), torch.randn(shape)
+    x_in = x.to(dtype).requires_grad_()
+    p = plan(x_in.shape, x_in, x_in, x_in)
+    assert p.PLANE == torch.Size(shape[2:]).numel() and p.c_blocks == groups and p.r_progs > 1, p
+    assert p.VEC >= 8 and p.INNER % 8 == 0  # runs start on 16 bytes
+
+    bn = tritonbn.SyncBatchNorm(C, activation="silu")
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(C) + 0.5)
+        bn.bias.copy_(torch.randn(C))
+    y = bn(x_in, r.to(dtype))
+    y.backward(dy.to(dtype))
+    ref_y, ref_dx, ref_dw, ref_db, ref_rm, ref_rv = _oracle(x_in.detach(), r.to(dtype), dy.to(dtype),
+                                                          bn.weight, bn.bias, F.silu)  # fmt: skip
+    _close(y, ref_y, TOLERANCES[dtype], "y")
+    _close(x_in.grad, ref_dx, TOLERANCES[dtype], "dx")
+    _close(bn.weight.grad, ref_dw, PARAM_GRAD_TOL[dtype], "grad_weight")
+    _close(bn.bias.grad, ref_db, PARAM_GRAD_TOL[dtype], "grad_bias")
+    # Each channel's running statistics are updated exactly once, by the program that owns it.
+    _close(bn.running_mean, ref_rm, (1e-6, 1e-5), "running_mean")
+    _close(bn.running_var, ref_rv, (1e-6, 1e-5), "running_var")
+    assert bn.num_batches_tracked.item() == 1
+
+    bn.eval()
+    with torch.no_grad():
+        y_eval = bn(x_in.detach())
+    ref_eval = F.batch_norm(x_in.detach().double(), ref_rm, ref_rv, bn.weight.double(), bn.bias.double(), False)
+    _close(y_eval, F.silu(ref_eval), TOLERANCES[dtype], "eval y")
+
+
+def test_grouped_statistics_keep_precision(mid_tiles):
+    """Neighbouring channels of one group with scales 1e-3 to 1e3 and |mean| / std = 1e3: the lanes are
+    reduced to channels by differences of prefix sums, which must not leak one channel's size into
+    the next one's variance."""
+    torch.manual_seed(1)
+    C = 48
+    scale = torch.logspace(-3, 3, C)[torch.randperm(C)].view(1, C, 1, 1)
+    x = (torch.randn(4, C, 7, 7) + 1e3) * scale
+    assert plan(x.shape, x, tile_scale=2).PLANE == 49
+    bn = tritonbn.SyncBatchNorm(C, affine=False)
+    y = bn(x)
+    ref = F.batch_norm(x.double(), None, None, training=True)
+    _close(y, ref, (1e-5, 1e-5), "y")
+    var = x.double().var((0, 2, 3), unbiased=True)
+    torch.testing.assert_close(bn.running_var.double(), 0.9 + 0.1 * var, rtol=1e-5, atol=0)
+
+
+def test_grouped_empty_batch(mid_tiles):
+    x = torch.empty(0, 48, 7, 7)
+    assert plan(x.shape, x).PLANE == 49
+    bn = tritonbn.SyncBatchNorm(48)
+    before = bn.running_var.clone()
+    y = bn(x)
+    assert y.shape == x.shape and torch.equal(bn.running_var, before) and bn.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("shape", [(32, 2048, 7, 7), (32, 512, 7, 7), (32, 1024, 14, 14), (32, 256, 14, 14)])
+def test_resnet50_odd_planes_plan_grouped_on_gpu(shape):
+    """What a GPU plans for ResNet-50's 7x7 and 14x14 NCHW layers: 16-byte runs, under 5% idle lanes."""
+    x = torch.empty(shape)
+    with planned_as("cuda", 132):
+        for p in (plan(x.shape, x, tile_scale=2), plan(x.shape, x, x, x)):
+            assert p.PLANE == shape[2] * shape[3] and p.VEC >= 8
+            assert 1 - p.INNER / p.BLOCK_I < 0.05, p
+            assert p.BLOCK_C * p.PLANE >= p.BLOCK_I  # a slot for every lane's channel
+    other = torch.empty(32, 24, 7, 7)  # C * 49 not a multiple of 16: the plane-by-plane walk
+    with planned_as("cuda", 132):
+        assert plan(other.shape, other).PLANE == 0
