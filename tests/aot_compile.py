@@ -55,28 +55,41 @@ def main(argv=None) -> int:
     count = 0
     for dt, int64 in itertools.product(dtypes, (False, True)):
         acc = tl.float64 if dt == "*fp64" else tl.float32
-        part = "*fp64" if dt == "*fp64" else "*fp32"
-        base = {"BLOCK_C": 32, "BLOCK_I": 64, "VEC": 4, "USE_INT64": int64, "ACC": acc}
+        acc_ptr = "*fp64" if dt == "*fp64" else "*fp32"
         pointers = {"x_ptr": dt, "y_ptr": dt, "r_ptr": dt, "stats_ptr": "*fp64", "nbt_ptr": "*i64",
                     "mean_ptr": "*fp64", "aux_ptr": dt, "dy_ptr": dt, "dx_ptr": dt, "dr_ptr": dt,
-                    "count_ptr": "*fp64", "ticket_ptr": "*i32", "part_ptr": part, "sums_ptr": part,
-                    "invstd_ptr": part}  # fmt: skip
-        _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32), target, int64)
-        count += 1
-        for training, act, residual in itertools.product((True, False), activations, residuals):
-            forward = dict(base, TRAINING=training, UPDATE_RUNNING=training, CUMULATIVE=training, HAS_NBT=training,
-                           HAS_WEIGHT=True, HAS_BIAS=True, HAS_RESIDUAL=residual, ACTIVATION=act)  # fmt: skip
-            _compile(elemt._batch_norm_elemt_kernel, pointers, forward, target, int64)
-            count += 1
-            for aux in auxes:
-                reduce = dict(base, HAS_WEIGHT=True, HAS_BIAS=True, ACTIVATION=act, AUX=aux)
-                final = dict(reduce, HAS_GW=True, HAS_GB=True, BLOCK_R=32)
-                _compile(backward_reduce._batch_norm_backward_reduce_kernel, pointers, final, target, int64)
-                grad = dict(reduce, TRAINING=training, WRITE_DX=True, WRITE_DR=residual)
-                _compile(backward_elemt._batch_norm_backward_elemt_kernel, pointers, grad, target, int64)
-                count += 2
+                    "count_ptr": "*fp64", "ticket_ptr": "*i32", "part_ptr": "*fp64", "sums_ptr": acc_ptr,
+                    "invstd_ptr": acc_ptr}  # fmt: skip
+        # A plane-by-plane plan, and a grouped one (7x7 planes, 40 channels per program; see _layout).
+        plans = [{"BLOCK_C": 32, "BLOCK_I": 64, "VEC": 4, "PLANE": 0, "GROUP": 32},
+                 {"BLOCK_C": 64, "BLOCK_I": 2048, "VEC": 8, "PLANE": 49, "GROUP": 40}]  # fmt: skip
+        for layout in plans:
+            base = dict(layout, USE_INT64=int64, ACC=acc)
+            count += _compile_plan(base, pointers, target, int64, activations, residuals, auxes)
     print(f"compiled {count} kernel specializations for sm_{args.arch} with triton {triton.__version__}")
     return 0
+
+
+def _compile_plan(base, pointers, target, int64, activations, residuals, auxes) -> int:
+    """Every kernel for one plan's constexprs; returns how many specializations were compiled."""
+    count = 0
+    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32), target, int64)
+    count += 1
+    if base["PLANE"]:  # a grouped plan: one representative variant of each kernel
+        activations, residuals, auxes = activations[-1:], residuals[-1:], auxes[-1:]
+    for training, act, residual in itertools.product((True, False), activations, residuals):
+        forward = dict(base, TRAINING=training, UPDATE_RUNNING=training, CUMULATIVE=training, HAS_NBT=training,
+                       HAS_WEIGHT=True, HAS_BIAS=True, HAS_RESIDUAL=residual, ACTIVATION=act)  # fmt: skip
+        _compile(elemt._batch_norm_elemt_kernel, pointers, forward, target, int64)
+        count += 1
+        for aux in auxes:
+            reduce = dict(base, HAS_WEIGHT=True, HAS_BIAS=True, ACTIVATION=act, AUX=aux)
+            final = dict(reduce, HAS_GW=True, HAS_GB=True, BLOCK_R=32)
+            _compile(backward_reduce._batch_norm_backward_reduce_kernel, pointers, final, target, int64)
+            grad = dict(reduce, TRAINING=training, WRITE_DX=True, WRITE_DR=residual)
+            _compile(backward_elemt._batch_norm_backward_elemt_kernel, pointers, grad, target, int64)
+            count += 2
+    return count
 
 
 if __name__ == "__main__":
