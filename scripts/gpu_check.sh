@@ -3,11 +3,12 @@
 # Triton 3.6 and no package registry). Stages run in order of value; each writes its results to
 # OUTDIR before the next starts, and a stage that fails is recorded in OUTDIR/stages.txt while the
 # next one still runs:
-#   1. correctness with the compiled kernels (<= 150 s): tests/gpu_checks.py (a training step
+#   1. correctness with the compiled kernels (<= 210 s): tests/gpu_checks.py (a training step
 #      captured in a CUDA graph and replayed against eager, an empty batch in a graph, forward and
 #      backward under torch.cuda.set_sync_debug_mode("error")), then the oracle tests of
 #      tests/test_batchnorm.py and tests/test_epilogue.py (shapes, both layouts, fp32/fp16/bf16,
-#      determinism, |mean|/std = 1e3) on the Triton backend, CUDA as the default device;
+#      determinism, |mean|/std = 1e3) on the Triton backend, CUDA as the default device, then
+#      tests/test_grouped.py (the grouped plans of odd NCHW planes: tl.gather and a segmented scan);
 #   2. the headline (<= 240 s): benchmarks/headline.py, ResNet-50 channels_last bf16 forward+backward
 #      per BatchNorm shape and summed over the model, tritonbn against torch.nn.SyncBatchNorm's sync
 #      path and cuDNN, then a whole ResNet-50 training step, eager and torch.compile;
@@ -55,6 +56,8 @@ PY
 stage gpu_checks 60 "$python" tests/gpu_checks.py 2>&1 | tee "$out/gpu_checks.txt"
 stage oracle_tests 90 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -k "triton" \
     tests/test_batchnorm.py tests/test_epilogue.py 2>&1 | tee "$out/oracle_tests.txt"
+stage grouped_tests 60 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" tests/test_grouped.py 2>&1 |
+    tee "$out/grouped_tests.txt"
 
 # 2. The headline table and the training step.
 stage headline 240 "$python" benchmarks/headline.py --out "$out" --budget-s 200 2>&1 | tee "$out/headline.txt"
