@@ -93,8 +93,14 @@ def _batch_norm_stats_kernel(
     else:
         first = tl.load(x_ptr + cols * (sx_c * VEC), mask=has_data, other=0.0)
     pivot = first.to(ACC)
-    first_l = per_lane(first, lane_ch, PLANE)
     pivot_l = per_lane(pivot, lane_ch, PLANE)
+    # What masked lanes read. Here they add exactly 0, without a select: each reads its channel's
+    # pivot. In a grouped tile only lanes past the group's last channel are masked (a whole tile
+    # past the chunk is never used), and no partial is stored for them: they read 0.
+    if PLANE > 0:
+        first_l = 0.0
+    else:
+        first_l = first[:, None]
 
     OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
     rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
@@ -103,7 +109,6 @@ def _batch_norm_stats_kernel(
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
     inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
     offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
-    # Masked lanes read the pivot itself, so they add exactly 0 without a select.
     x = tl.load(x_ptr + offs, mask=mask, other=first_l)
     s1 = tl.zeros(x.shape, dtype=ACC)
     s2 = tl.zeros(x.shape, dtype=ACC)
