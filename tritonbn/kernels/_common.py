@@ -144,8 +144,8 @@ def store_partials(part_ptr, pid_r, R, C, cols, c_mask, a0, a1, pid_c, lanes, in
         starts = (lanes % PLANE == 0).to(tl.int32)
         ends = (lanes % PLANE == PLANE - 1) & (lanes < inner_v * VEC)
         ch = pid_c * GROUP + lanes // PLANE
-        tl.store(part + ch, segment_sums(tl.sum(a0, axis=0).to(MERGE), starts), mask=ends)
-        tl.store(part + R * C + ch, segment_sums(tl.sum(a1, axis=0).to(MERGE), starts), mask=ends)
+        tl.store(part + ch, segment_sums(tl.reshape(a0, [a0.shape[1]]).to(MERGE), starts), mask=ends)
+        tl.store(part + R * C + ch, segment_sums(tl.reshape(a1, [a1.shape[1]]).to(MERGE), starts), mask=ends)
     else:
         tl.store(part + cols, tl.sum(a0.to(MERGE), axis=1), mask=c_mask)
         tl.store(part + R * C + cols, tl.sum(a1.to(MERGE), axis=1), mask=c_mask)
