@@ -94,9 +94,9 @@ def _batch_norm_stats_kernel(
         first = tl.load(x_ptr + cols * (sx_c * VEC), mask=has_data, other=0.0)
     pivot = first.to(ACC)
     pivot_l = per_lane(pivot, lane_ch, PLANE)
-    # What masked lanes read. Here they add exactly 0, without a select: each reads its channel's
-    # pivot. In a grouped tile only lanes past the group's last channel are masked (a whole tile
-    # past the chunk is never used), and no partial is stored for them: they read 0.
+    # What masked lanes read. In a plane-by-plane tile each reads its channel's pivot, so it adds
+    # exactly 0 without a select. In a grouped tile only lanes past the group's last channel are
+    # masked (a whole tile past the chunk is never used) and no partial is stored for them: 0.
     if PLANE > 0:
         first_l = 0.0
     else:
