@@ -208,9 +208,7 @@ def _plan(
     c_blocks = -(-C // BLOCK_C)
     inner_tiles = max(1, -(-inner_size // BLOCK_I))
     tiles = outer * inner_tiles if inner_size else 0
-    r_progs = max(1, min(tiles, -(-_target_programs(kind) // c_blocks)))
-    tiles_per_prog = max(1, -(-tiles // r_progs))
-    r_progs = max(1, -(-tiles // tiles_per_prog))  # drop programs that would get no tile
+    r_progs, tiles_per_prog = _split(tiles, c_blocks, kind)
     VEC = _vector_hint(inner_size, strides)
     return Plan(
         C=C,
@@ -231,12 +229,24 @@ def _plan(
         # or the inner size cut short gets 4 warps.
         num_warps=8 if BLOCK_C * BLOCK_I >= 2048 * tile_scale else 4,
         VEC=VEC,
-        BLOCK_R=max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C)),
+        BLOCK_R=_merge_rows(r_progs, BLOCK_C),
         PLANE=0,
         GROUP=BLOCK_C,
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
         stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
     )
+
+
+def _split(tiles: int, c_blocks: int, kind: tuple[str, int]) -> tuple[int, int]:
+    """``(r_progs, tiles_per_prog)``: the programs along the reduction and the tiles each walks."""
+    r_progs = max(1, min(tiles, -(-_target_programs(kind) // c_blocks)))
+    tiles_per_prog = max(1, -(-tiles // r_progs))
+    return max(1, -(-tiles // tiles_per_prog)), tiles_per_prog  # drop programs that would get no tile
+
+
+def _merge_rows(r_progs: int, BLOCK_C: int) -> int:
+    """Rows of partials the last program merges at a time, in a ``[BLOCK_R, BLOCK_C]`` tile."""
+    return max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C))
 
 
 def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> Plan | None:
@@ -269,9 +279,7 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> P
     BLOCK_C = _next_pow2((tile - 1) // plane + 1)  # a slot for the channel of every lane, idle ones included
     c_blocks = -(-C // group)
     tiles = outer
-    r_progs = max(1, min(tiles, -(-_target_programs(kind) // c_blocks)))
-    tiles_per_prog = max(1, -(-tiles // r_progs))
-    r_progs = max(1, -(-tiles // tiles_per_prog))
+    r_progs, tiles_per_prog = _split(tiles, c_blocks, kind)
     return Plan(
         C=C,
         O1=1,
@@ -289,7 +297,7 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> P
         use_int64=max_offset > _INT32_MAX or tiles * tile > _INT32_MAX,
         num_warps=8 if tile >= _GPU_TILE else 4,
         VEC=vec,
-        BLOCK_R=max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C)),
+        BLOCK_R=_merge_rows(r_progs, BLOCK_C),
         PLANE=plane,
         GROUP=group,
         size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
