@@ -11,6 +11,9 @@
 2. **Training step**: ResNet-50, batch 32, channels_last, bf16 autocast, SGD, eager and under
    ``torch.compile``, with tritonbn layers, ``torch.nn.SyncBatchNorm`` (sync path forced) and plain
    ``BatchNorm2d`` (cuDNN, no sync). Median of CUDA-event timed steps.
+3. **Host time per BatchNorm layer**: the CPU time of the Python thread to issue one eager step
+   (the GPU idle before each, backward on the same thread), for each of those and for the same model
+   with ``nn.Identity`` in place of every BatchNorm; per layer: the difference over the 53 layers.
 
 Each result is appended to ``DIR/headline.jsonl`` as soon as it is measured, and ``DIR/headline.md``
 is rewritten from it, so a run stopped by its time budget keeps what it measured. A case that fails
@@ -159,7 +162,9 @@ def per_layer(rec: Recorder, timer: Timer, shapes, dtype, device, group, deadlin
 
 
 def make_model(variant: str, width: int, device, group) -> nn.Module:
-    if variant == "tritonbn":
+    if variant == "none":  # no BatchNorm at all: the baseline of the host time per layer
+        norm = lambda c: nn.Identity()  # noqa: E731
+    elif variant == "tritonbn":
         norm = lambda c: tritonbn.SyncBatchNorm(c, process_group=group)  # noqa: E731
     elif variant == "torch_sync":
         norm = lambda c: TorchSyncPath(c, process_group=group)  # noqa: E731
@@ -178,11 +183,41 @@ def training_step(model: nn.Module, opt: torch.optim.Optimizer, x, target, devic
     return loss
 
 
+def host_us(model: nn.Module, opt, x, target, device, iters: int) -> float:
+    """Median CPU time of this thread (µs) to issue one eager training step, the GPU idle at its start.
+
+    Backward runs on this thread too (torch otherwise runs a CUDA backward on a device thread).
+    """
+    times = []
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(iters):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.thread_time_ns()
+            training_step(model, opt, x, target, device)
+            times.append((time.thread_time_ns() - t0) / 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def step_times(rec: Recorder, timer: Timer, args, device, group, deadline: float) -> None:
     batch, image, width = (2, 32, 4) if args.smoke else (32, 224, 64)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(batch, 3, image, image, device=device, generator=g).contiguous(memory_format=torch.channels_last)
     target = torch.randint(0, 1000, (batch,), device=device, generator=g)
+    if time.time() < deadline:
+        try:  # the host-time baseline: the same model without BatchNorm
+            model = make_model("none", width, device, group)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            for _ in range(1 if args.smoke else 3):
+                training_step(model, opt, x, target, device)
+            us = host_us(model, opt, x, target, device, 3 if args.smoke else args.step_iters)
+            rec.add(table="step", variant="none", mode="eager", host_us=us, bn_layers=53)
+        except Exception:  # noqa: BLE001 - recorded, the run goes on
+            rec.add(table="step", variant="none", mode="eager", error=traceback.format_exc())
+        finally:
+            model = opt = None
     for compiled in (False, True) if args.compile else (False,):
         for variant in PROVIDERS:
             mode = "torch.compile" if compiled else "eager"
@@ -207,7 +242,10 @@ def step_times(rec: Recorder, timer: Timer, args, device, group, deadline: float
                     torch.cuda.synchronize()
                 warmup_s = time.time() - t0
                 ms = timer.steps(lambda fn=fn, opt=opt: training_step(fn, opt, x, target, device), args.step_iters)
-                rec.add(table="step", variant=variant, mode=mode, ms=ms, warmup_s=round(warmup_s, 1))
+                row = {"ms": ms, "warmup_s": round(warmup_s, 1)}
+                if not compiled:
+                    row["host_us"] = host_us(model, opt, x, target, device, 3 if args.smoke else args.step_iters)
+                rec.add(table="step", variant=variant, mode=mode, **row)
             except Exception:  # noqa: BLE001 - recorded, the run goes on
                 rec.add(table="step", variant=variant, mode=mode, error=traceback.format_exc())
             finally:
@@ -271,6 +309,15 @@ def render(rows: list[dict], meta: dict) -> str:
         by = {(r["variant"], r["mode"]): r.get("ms") for r in steps}
         for v in PROVIDERS:
             lines.append(f"| {v} | {_ms(by.get((v, 'eager')))} | {_ms(by.get((v, 'torch.compile')))} |")
+        host = {r["variant"]: r["host_us"] for r in steps if r["mode"] == "eager" and "host_us" in r}
+        if host:
+            base = host.get("none")
+            lines += ["", "### Host time of an eager step (CPU time of the Python thread, backward on it too)", "",
+                      "| BatchNorm layers | host µs per step | host µs per BatchNorm layer (vs none, 53 layers) |",
+                      "|---|---|---|"]  # fmt: skip
+            for v in ("none", *PROVIDERS):
+                per = "-" if v == "none" or v not in host or base is None else f"{(host[v] - base) / 53:.1f}"
+                lines.append(f"| {v} | {_ms(host.get(v))} | {per} |")
     return "\n".join(lines) + "\n"
 
 

@@ -79,7 +79,8 @@ def _compile_plan(base, pointers, target, int64, activations, residuals, auxes) 
         activations, residuals, auxes = activations[-1:], residuals[-1:], auxes[-1:]
     for training, act, residual in itertools.product((True, False), activations, residuals):
         forward = dict(base, TRAINING=training, UPDATE_RUNNING=training, CUMULATIVE=training, HAS_NBT=training,
-                       HAS_WEIGHT=True, HAS_BIAS=True, HAS_RESIDUAL=residual, ACTIVATION=act)  # fmt: skip
+                       HAS_WEIGHT=True, HAS_BIAS=True, HAS_RESIDUAL=residual, ACTIVATION=act,
+                       SAVE_STATS=training or residual)  # fmt: skip
         _compile(elemt._batch_norm_elemt_kernel, pointers, forward, target, int64)
         count += 1
         for aux in auxes:

@@ -51,6 +51,6 @@ def small_tiles(monkeypatch):
 
     monkeypatch.setattr(_layout, "_CPU_TILE", 8)
     monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
-    _layout._plan.cache_clear()
+    _layout.clear_caches()
     yield
-    _layout._plan.cache_clear()
+    _layout.clear_caches()

@@ -41,12 +41,18 @@ def make_model():
 
 
 def _steps(model, x, steps=2):
-    """Train ``steps`` steps then eval once; returns outputs, grads and the final state."""
+    """Train ``steps`` steps then eval once; returns outputs, grads and the final state.
+
+    The loss weights the output with fixed random numbers. (A loss such as ``(y * y).sum()`` after
+    a BatchNorm with unit weight and zero bias has a gradient that cancels to zero before it: the
+    gradients upstream would be rounding noise, which inductor's fused code rounds differently.)
+    """
     outs = []
+    weights = torch.randn(x.shape[0], 5, generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         model.zero_grad()
         y = model(x)
-        (y * y).sum().backward()
+        (y * weights).sum().backward()
         outs.append(y.detach())
         outs.extend(p.grad.clone() for p in model.parameters())
     model.eval()
@@ -59,10 +65,17 @@ def _compare(compiled_model, eager_model, x, backend):
     compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
     got = _steps(compiled, x)
     want = _steps(eager_model, x)
+    # Inductor's convolutions and linear layer round differently from eager's on some CPUs (it fuses
+    # their bias and pointwise neighbours), so the BatchNorms' inputs, and what follows, may differ in
+    # the last bits; the conv biases before a BatchNorm have a gradient of exactly 0 up to that
+    # rounding. tests/test_eager_path.py shows the tritonbn layers themselves bitwise equal under both.
     for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for (k, a), b in zip(compiled_model.state_dict().items(), eager_model.state_dict().values(), strict=True):
-        assert torch.equal(a, b), f"buffer {k} differs between compiled and eager"
+        if backend == "inductor" and a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"buffer {k} differs between compiled and eager")
+        else:
+            assert torch.equal(a, b), f"buffer {k} differs between compiled and eager"
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "torch"], indirect=True)

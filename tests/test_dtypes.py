@@ -109,8 +109,8 @@ def test_one_launch_per_pass_and_tickets_reset(small_tiles, monkeypatch):
     bn.eval()
     bn(x.detach())
     assert launches[4:] == ["elemt"]
-    for buf in _layout._tickets.values():
-        assert not buf.any(), "a kernel left a ticket counter non-zero"
+    for ws in _layout._workspaces.values():
+        assert not ws.tickets.any(), "a kernel left a ticket counter non-zero"
     # Two identical steps give the same bits: the merge order does not depend on arrival order.
     outs = []
     for _ in range(2):

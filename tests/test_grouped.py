@@ -21,9 +21,9 @@ from tritonbn.kernels._layout import plan, planned_as
 def mid_tiles(monkeypatch):
     monkeypatch.setattr(_layout, "_CPU_TILE", 2048)
     monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
-    _layout._plan.cache_clear()
+    _layout.clear_caches()
     yield
-    _layout._plan.cache_clear()
+    _layout.clear_caches()
 
 
 # (shape, groups of the elementwise plan): 7x7 with a short last group, 14x14, 3x3 in one group, 3-D

@@ -42,9 +42,11 @@ def test_headline_smoke_mode(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "headline.jsonl").read_text().splitlines()]
     measured = {(r["table"], r.get("provider", r.get("variant"))) for r in rows if "ms" in r}
     assert {("layer", "tritonbn"), ("layer", "cudnn"), ("step", "tritonbn"), ("step", "cudnn")} <= measured
-    assert all("ms" in r or r["error"].startswith("skipped") for r in rows), rows
+    assert all("ms" in r or "host_us" in r or r["error"].startswith("skipped") for r in rows), rows
+    host = {r["variant"] for r in rows if r["table"] == "step" and "host_us" in r}
+    assert {"none", "tritonbn", "cudnn"} <= host, rows  # the host time per BatchNorm layer has its baseline
     md = (tmp_path / "headline.md").read_text()
-    assert "CPU SMOKE RUN" in md and "sum over the" in md
+    assert "CPU SMOKE RUN" in md and "sum over the" in md and "host µs per BatchNorm layer" in md
 
 
 def test_gpu_check_script_parses():

@@ -101,7 +101,8 @@ def batch_norm_elemt(
     residual: torch.Tensor | None = None,
     activation: str | None = None,
     negative_slope: float = 0.01,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    save_stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`tritonbn.kernels.batch_norm_elemt`."""
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
@@ -134,6 +135,8 @@ def batch_norm_elemt(
         y = y + residual.to(acc)
     out = torch.empty_like(x)
     out.copy_(_activate(y, activation, negative_slope))
+    if not save_stats:
+        return out, None, None
     return out, mean64, invstd
 
 

@@ -23,6 +23,19 @@ def resolve_group(process_group=None):
     return group
 
 
+if dist.is_available():
+    from torch.distributed.distributed_c10d import GroupMember
+
+    def world():
+        """The default process group (``None`` before ``init_process_group``): groups resolved against it stay valid."""
+        return GroupMember.WORLD
+
+else:
+
+    def world():
+        return None
+
+
 def all_reduce_sum(buffer: torch.Tensor, group) -> torch.Tensor:
     """Sum ``buffer`` in place over ``group`` (no-op when ``group`` is ``None``)."""
     if group is not None:

@@ -174,66 +174,91 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _kept_for_backward(y, residual, activation, negative_slope):
+def _kept_for_backward(y, residual, layer):
     """``(residual, output)``: what backward reads act'(z) from (see the module docstring), or ``None``."""
-    if activation is None or residual is None:
+    if layer.activation is None or residual is None:
         return None, None
-    if output_gives_grad(activation, negative_slope):
+    if output_gives_grad(layer.activation, layer.negative_slope):
         return None, y
     return residual, None
+
+
+class Layer:
+    """A layer's settings and process groups: what its calls need besides their tensors.
+
+    The module builds one when it is first called and keeps it until a setting changes (see
+    :class:`tritonbn.SyncBatchNorm`); the functional form and the custom ops build one per call.
+    ``group`` is what training synchronizes over (``None``: this rank alone; always ``None`` in eval),
+    ``debug_group`` what ``TRITONBN_DEBUG=1`` checks signatures over, and ``name`` the layer's
+    identity in those checks. ``world`` is the default process group the groups were resolved
+    against, so that a module built before ``init_process_group`` resolves them again.
+    """
+
+    __slots__ = ("training", "momentum", "eps", "activation", "negative_slope", "group", "debug_group", "name",
+                 "world")  # fmt: skip
+
+    def __init__(self, training, momentum, eps, activation=None, negative_slope=0.01, group=None, debug_group=None,
+                 name="", world=None):  # fmt: skip
+        self.training = training
+        self.momentum = momentum
+        self.eps = eps
+        self.activation = activation
+        self.negative_slope = negative_slope
+        self.group = group
+        self.debug_group = group if debug_group is None else debug_group
+        self.name = name
+        self.world = world
 
 
 # --- The two passes as plain functions of tensors: the eager Function and the custom ops both call them.
 
 
-def forward_pass(
-    ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-    activation, negative_slope, group,
-):  # fmt: skip
+def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual,
+                 save_stats=True):  # fmt: skip
     """The forward pass over the launchers in ``ops``: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
 
-    Training: local stats, the one all-reduce over ``group`` (``None``: no communication), then
-    ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the global
+    Training: local stats, the one all-reduce over ``layer.group`` (``None``: no communication),
+    then ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the global
     packed ``[sum x | sum x^2 | count]``. A forward that runs inside a backward pass (an
-    activation-checkpointing recompute) leaves the running statistics alone.
+    activation-checkpointing recompute) leaves the running statistics alone. ``save_stats=False``
+    (nothing will run backward) skips ``mean`` and ``invstd``.
     """
-    if not training:
+    if not layer.training:
         y, mean, invstd = ops.batch_norm_elemt(
-            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=eps, residual=residual,
-            activation=activation, negative_slope=negative_slope,
+            x, weight, bias, running_mean=running_mean, running_var=running_var, eps=layer.eps, residual=residual,
+            activation=layer.activation, negative_slope=layer.negative_slope, save_stats=save_stats,
         )  # fmt: skip
         return y, mean, invstd, None
-    if in_backward():
+    if torch._C._current_graph_task_id() != -1:  # in_backward()
         running_mean = running_var = num_batches_tracked = None
     stats = ops.batch_norm_stats(x)
-    if group is not None:
-        all_reduce_sum(stats, group)
+    if layer.group is not None:
+        all_reduce_sum(stats, layer.group)
     y, mean, invstd = ops.batch_norm_elemt(
         x, weight, bias, stats=stats, running_mean=running_mean, running_var=running_var,
-        num_batches_tracked=num_batches_tracked, momentum=momentum, eps=eps, residual=residual,
-        activation=activation, negative_slope=negative_slope,
+        num_batches_tracked=num_batches_tracked, momentum=layer.momentum, eps=layer.eps, residual=residual,
+        activation=layer.activation, negative_slope=layer.negative_slope, save_stats=save_stats,
     )  # fmt: skip
     return y, mean, invstd, stats
 
 
-def backward_pass(
-    ops, grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
-    input_grad, weight_grad, bias_grad, residual_grad, group, layer="",
-):  # fmt: skip
+def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, residual, output, input_grad,
+                  weight_grad, bias_grad, residual_grad):  # fmt: skip
     """The backward pass over the launchers in ``ops``: ``(dx, dweight, dbias, dresidual)``, ``None`` if not asked for.
 
     Training: local reductions of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only
     when the input needs a gradient), then dx and the residual's gradient in one pass. Eval:
     dx = dz * invstd * weight. ``residual`` / ``output`` are what the fused activation's gradient
-    is read from (see the module docstring). ``layer`` names the layer in debug-mode errors.
+    is read from (see the module docstring).
     """
+    training, group, activation, slope = layer.training, layer.group, layer.activation, layer.negative_slope
     if training and group is not None and debug_enabled():
-        check_signature(group, "backward", _signature(x, True, input_grad), layer=layer)
+        check_signature(group, "backward", _signature(x, True, input_grad), layer=layer.name)
     sums = dx = dw = db = dr = None
     if weight_grad or bias_grad or (input_grad and training):
         sums, dw, db = ops.batch_norm_backward_reduce(
             grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad, bias=bias,
-            activation=activation, negative_slope=negative_slope, residual=residual, output=output,
+            activation=activation, negative_slope=slope, residual=residual, output=output,
         )  # fmt: skip
     if input_grad or residual_grad:
         if input_grad and training and group is not None:
@@ -242,7 +267,7 @@ def backward_pass(
             dr = torch.empty_like(x)
         dx = ops.batch_norm_backward_elemt(
             grad_out, x, mean, invstd, weight, sums if training else None, stats[-1:] if training else None,
-            bias=bias, activation=activation, negative_slope=negative_slope, residual=residual, output=output,
+            bias=bias, activation=activation, negative_slope=slope, residual=residual, output=output,
             input_grad=input_grad, out_grad_residual=dr,
         )  # fmt: skip
     return dx, dw, db, dr
@@ -273,10 +298,10 @@ def batch_norm_forward(
 
     In eval ``stats`` is left uninitialized (an op returns tensors).
     """
+    layer = Layer(training, momentum, eps, activation, negative_slope, _resolve_name(group_name))
     y, mean, invstd, stats = forward_pass(
-        ops_for(x), x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum,
-        eps, activation, negative_slope, _resolve_name(group_name),
-    )  # fmt: skip
+        ops_for(x), layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual
+    )
     if stats is None:
         stats = x.new_empty(_stats_shape(x.shape[1]), dtype=torch.float64)
     return y, mean, invstd, stats
@@ -315,9 +340,10 @@ def batch_norm_backward(
     layer: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty."""
+    spec = Layer(training, None, 0.0, activation, negative_slope, _resolve_name(group_name), name=layer)
     grads = backward_pass(
-        ops_for(x), grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation,
-        negative_slope, input_grad, weight_grad, bias_grad, residual_grad, _resolve_name(group_name), layer,
+        ops_for(x), spec, grad_out, x, weight, bias, mean, invstd, stats, residual, output, input_grad, weight_grad,
+        bias_grad, residual_grad,
     )  # fmt: skip
     return tuple(g if g is not None else x.new_empty(0) for g in grads)  # distinct: op outputs may not alias
 
@@ -351,7 +377,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
             activation, negative_slope, name,
         )  # fmt: skip
-        keep_residual, keep_output = _kept_for_backward(y, residual, activation, negative_slope)
+        keep_residual, keep_output = _kept_for_backward(y, residual, Layer(training, momentum, eps, activation,
+                                                                           negative_slope))  # fmt: skip
         ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
         ctx.training, ctx.activation, ctx.negative_slope, ctx.group_name = training, activation, negative_slope, name
         ctx.has_residual, ctx.layer = residual is not None, layer
@@ -376,30 +403,32 @@ class SyncBatchNormFunction(torch.autograd.Function):
 class EagerBatchNormFunction(torch.autograd.Function):
     """Autograd over :func:`forward_pass` / :func:`backward_pass` for eager calls.
 
-    ``spec`` is ``(ops, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-    activation, negative_slope, group, layer)``: what the passes need besides the differentiable tensors.
+    ``spec`` is ``(ops, layer, running_mean, running_var, num_batches_tracked)``: what the passes
+    need besides the differentiable tensors.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, spec):
-        ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, slope, group, _ = spec
+        ops, layer, running_mean, running_var, num_batches_tracked = spec
         y, mean, invstd, stats = forward_pass(
-            ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-            activation, slope, group,
-        )  # fmt: skip
-        keep_residual, keep_output = _kept_for_backward(y, residual, activation, slope)
-        ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
+            ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual
+        )
+        if residual is None or layer.activation is None:
+            ctx.save_for_backward(x, weight, bias, mean, invstd, stats)
+        else:
+            ctx.save_for_backward(x, weight, bias, mean, invstd, stats, *_kept_for_backward(y, residual, layer))
         ctx.spec = spec
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
-        ops, _, _, _, training, _, _, activation, slope, group, layer = ctx.spec
-        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+        x, weight, bias, mean, invstd, stats, *kept = ctx.saved_tensors
+        residual, output = kept or (None, None)
+        ops, layer = ctx.spec[:2]
+        need_x, need_w, need_b, need_r, _ = ctx.needs_input_grad
         dx, dw, db, dr = backward_pass(
-            ops, grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, slope,
-            need_x, need_w, need_b, need_r, group, layer,
+            ops, layer, grad_out, x, weight, bias, mean, invstd, stats, residual, output, need_x, need_w, need_b,
+            need_r,
         )  # fmt: skip
         return dx, dw, db, dr, None
 
@@ -423,8 +452,8 @@ _apply_eager = super(torch.autograd.Function, EagerBatchNormFunction).apply
 
 
 def _params_need_grad(weight, bias, residual) -> bool:
-    """Whether, with grad mode on, a differentiable input other than ``input`` requires grad."""
-    return torch.is_grad_enabled() and (
+    """Whether a differentiable input other than ``input`` requires grad (the caller checks grad mode)."""
+    return (
         (weight is not None and weight.requires_grad)
         or (bias is not None and bias.requires_grad)
         or (residual is not None and residual.requires_grad)
@@ -450,52 +479,69 @@ def batch_norm(
     debug_group=None,
     layer: str = "",
 ) -> torch.Tensor:
-    """Checked entry point shared by :func:`sync_batch_norm` and the module.
+    """Checked entry point of :func:`sync_batch_norm`: :func:`run` with a :class:`Layer` made for this call.
 
     ``group`` (resolved) is what the statistics are synchronized over, ``None`` for this rank alone.
-    ``debug_group`` (default ``group``) is what ``TRITONBN_DEBUG=1`` checks signatures over; the
-    module passes its group there in eval too, so that a rank in eval while others train is caught.
-    ``layer`` is the layer's identity in those checks (the module passes its qualified name).
+    ``debug_group`` (default ``group``) is what ``TRITONBN_DEBUG=1`` checks signatures over.
+    ``layer`` is the layer's identity in those checks.
     """
-    debug_group = group if debug_group is None else debug_group
+    spec = Layer(training, momentum, eps, activation, negative_slope, group, debug_group, layer)
+    return run(spec, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features)
+
+
+def run(
+    layer: Layer,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    num_features: int | None = None,
+) -> torch.Tensor:
+    """One call of ``layer`` on these tensors: the checks, then the eager Function, the custom ops, or no autograd.
+
+    Every argument a rank can get wrong alone is checked first; with ``TRITONBN_DEBUG=1`` the ranks
+    of ``layer.debug_group`` then compare signatures, so that a rank whose input was rejected makes
+    every rank raise instead of leaving them waiting in the next collective.
+    """
+    training = layer.training
+    debug_group = layer.debug_group
     compiling = torch.compiler.is_compiling()
     checking = debug_group is not None and not compiling and debug_enabled()
-    input_grad = isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled()
+    grad_mode = torch.is_grad_enabled()
+    input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
     try:
-        check_inputs(input, running_mean, running_var, weight, bias, momentum, eps, num_batches_tracked, num_features,
-                     residual, training=training)  # fmt: skip
-        check_activation(activation, negative_slope)
+        check_inputs(input, running_mean, running_var, weight, bias, layer.momentum, layer.eps, num_batches_tracked,
+                     num_features, residual, training=training)  # fmt: skip
+        check_activation(layer.activation, layer.negative_slope)
         if not training and running_mean is None:
             raise ValueError("running_mean and running_var are required when training=False")
-        if training and group is None and input.numel() // input.shape[1] == 1:
+        if training and layer.group is None and input.numel() // input.shape[1] == 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
             )
-        if training and momentum is None and running_mean is not None and num_batches_tracked is None:
+        if training and layer.momentum is None and running_mean is not None and num_batches_tracked is None:
             raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
     except (ValueError, TypeError) as error:
         if checking:  # every rank stops here, instead of the others waiting in the next collective
-            check_signature(
-                debug_group, "forward", _signature(input, training, input_grad), local_error=error, layer=layer
-            )
+            check_signature(debug_group, "forward", _signature(input, training, input_grad), local_error=error,
+                            layer=layer.name)  # fmt: skip
         raise
     if checking:
-        check_signature(debug_group, "forward", _signature(input, training, input_grad), layer=layer)
-    negative_slope = float(negative_slope)
+        check_signature(debug_group, "forward", _signature(input, training, input_grad), layer=layer.name)
     if compiling or not _eager(input):
         return SyncBatchNormFunction.apply(
-            input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-            activation, negative_slope, group_name(group), layer,
+            input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, layer.momentum,
+            layer.eps, layer.activation, float(layer.negative_slope), group_name(layer.group), layer.name,
         )  # fmt: skip
     ops = ops_for(input)
-    if input_grad or _params_need_grad(weight, bias, residual):
-        spec = (ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation,
-                negative_slope, group, layer)  # fmt: skip
-        return _apply_eager(input, weight, bias, residual, spec)
+    if input_grad or (grad_mode and _params_need_grad(weight, bias, residual)):
+        return _apply_eager(input, weight, bias, residual, (ops, layer, running_mean, running_var, num_batches_tracked))
     return forward_pass(
-        ops, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-        activation, negative_slope, group,
-    )[0]  # fmt: skip
+        ops, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, save_stats=False
+    )[0]
 
 
 def sync_batch_norm(

@@ -10,13 +10,17 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritonbn.activations import check_activation
-from tritonbn.distributed import resolve_group
-from tritonbn.functional import batch_norm, check_inputs, check_momentum
+from tritonbn.distributed import resolve_group, world
+from tritonbn.functional import Layer, check_inputs, check_momentum, run
 
 _ORIGINAL = "_tritonbn_original_class"
 _TEMPLATE = "_tritonbn_original_module"  # a converted subclass instance, given back by revert
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _LAYER = "_tritonbn_layer"  # the layer's identity in TRITONBN_DEBUG=1 checks
+_CALL = "_tritonbn_call"  # the module's functional.Layer, dropped when one of _SETTINGS changes
+_SETTINGS = frozenset(
+    ("training", "momentum", "eps", "activation", "negative_slope", "process_group", "track_running_stats", _LAYER)
+)
 _built = itertools.count()
 
 
@@ -115,30 +119,39 @@ class SyncBatchNorm(_BatchNorm):
 
     def _normalize(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The batch norm with its fused epilogue (what subclasses and recalibration build on)."""
-        training = self.training
+        layer = self.__dict__.get(_CALL)
+        if layer is None or layer.world is not world():
+            layer = self._layer()
         weight, bias, running_mean, running_var, num_batches_tracked = self._state()
-        bn_training = training or (running_mean is None and running_var is None)
-        tracking = not training or self.track_running_stats
-        # Eval communicates nothing (with track_running_stats=False it uses this rank's own batch).
+        if layer.training:
+            if not self.track_running_stats:
+                running_mean = running_var = num_batches_tracked = None
+        elif running_mean is None and running_var is None:
+            # Eval without running statistics normalizes with this rank's own batch, as torch does.
+            layer = self._layer(batch_stats=True)
+            num_batches_tracked = None
+        else:
+            num_batches_tracked = None
+        return run(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
+                   self.num_features)  # fmt: skip
+
+    def _layer(self, batch_stats: bool = False) -> Layer:
+        """This layer's :class:`~tritonbn.functional.Layer`, kept until a setting in ``_SETTINGS`` changes.
+
+        ``batch_stats``: the layer of an eval call that normalizes with the batch's statistics
+        (no running statistics), made for that call.
+        """
         group = resolve_group(self.process_group)
-        return batch_norm(
-            input,
-            running_mean if tracking else None,
-            running_var if tracking else None,
-            weight,
-            bias,
-            bn_training,
-            self.momentum,
-            self.eps,
-            group if training else None,
-            num_batches_tracked if (training and self.track_running_stats) else None,
-            residual=residual,
-            activation=self.activation,
-            negative_slope=self.negative_slope,
-            num_features=self.num_features,
-            debug_group=group,
-            layer=getattr(self, _LAYER, ""),
-        )
+        layer = Layer(self.training or batch_stats, self.momentum, self.eps, self.activation, self.negative_slope,
+                      group if self.training else None, group, getattr(self, _LAYER, ""), world())  # fmt: skip
+        if not batch_stats:
+            self.__dict__[_CALL] = layer
+        return layer
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _SETTINGS:
+            self.__dict__.pop(_CALL, None)
+        super().__setattr__(name, value)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group=None, *, strict: bool = False) -> nn.Module:

@@ -68,12 +68,12 @@ def planned_as(device_type: str = "cuda", sm_count: int = 132):
     """
     global _planned_as
     old, _planned_as = _planned_as, (device_type, sm_count)
-    _plan.cache_clear()
+    clear_caches()
     try:
         yield
     finally:
         _planned_as = old
-        _plan.cache_clear()
+        clear_caches()
 
 
 def _device_kind(device: torch.device) -> tuple[str, int]:
@@ -127,22 +127,79 @@ class Plan:
         return (self.c_blocks, self.r_progs)
 
 
-_tickets: dict = {}
+class Workspace:
+    """Per device and stream: ticket counters at zero, and scratch memory for the reductions' partials.
+
+    A kernel that takes tickets (see :mod:`tritonbn.kernels._common`) leaves them at zero, and the
+    partials are read only by the launch that wrote them, so launches on one stream, which run one
+    after another, share one workspace: no memset and no allocation per launch, nor in a captured
+    CUDA graph once the workspace exists. A workspace that must grow is replaced, and the old buffers
+    are kept alive: a graph captured with them may still replay.
+    """
+
+    __slots__ = ("tickets", "scratch", "retired")
+
+    def __init__(self, device: torch.device) -> None:
+        self.tickets = torch.zeros(1024, dtype=torch.int32, device=device)
+        self.scratch = torch.empty(4096, dtype=torch.float64, device=device)
+        self.retired: list[torch.Tensor] = []
+
+    def grow(self, tickets: int, scratch: int) -> None:
+        if tickets > self.tickets.numel():
+            self.retired.append(self.tickets)
+            self.tickets = torch.zeros(2 * tickets, dtype=torch.int32, device=self.tickets.device)
+        if scratch > self.scratch.numel():
+            self.retired.append(self.scratch)
+            self.scratch = torch.empty(2 * scratch, dtype=torch.float64, device=self.scratch.device)
+
+
+_workspaces: dict = {}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def workspace(device: torch.device, tickets: int = 0, scratch: int = 0) -> Workspace:
+    """The :class:`Workspace` of ``device`` and its current stream, with room for ``tickets`` counters
+    and ``scratch`` float64 values."""
+    key = (device, _raw_stream(device.index) if device.type == "cuda" else 0)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = Workspace(device)
+    if tickets > ws.tickets.numel() or scratch > ws.scratch.numel():
+        ws.grow(tickets, scratch)
+    return ws
 
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """``n`` int32 ticket counters at zero on ``device``, for one launch on the current stream.
+    """``n`` int32 ticket counters at zero on ``device``, for one launch on the current stream."""
+    return workspace(device, tickets=n).tickets
 
-    A kernel that takes tickets (see :mod:`tritonbn.kernels._common`) leaves them at zero, so one
-    buffer per device and stream serves every launch in turn, with no memset and no allocation in
-    a captured CUDA graph once the buffer exists.
-    """
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _tickets.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _tickets[key] = buf
-    return buf
+
+# Caches of launch settings that the launchers key by shape, strides and dtypes (see
+# tritonbn.kernels._launch). They hold plans, so whatever changes plans clears them too.
+_launch_caches: list[dict] = []
+_CACHE_SIZE = 4096
+
+
+def launch_cache() -> dict:
+    """A new cache of launch settings, cleared with the plans (:func:`clear_caches`)."""
+    cache: dict = {}
+    _launch_caches.append(cache)
+    return cache
+
+
+def cache_put(cache: dict, key, value):
+    """Store ``value`` under ``key`` in a launch cache, emptying it first when it is full; returns ``value``."""
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def clear_caches() -> None:
+    """Forget every plan and every launch built on one (after the planning constants change)."""
+    _plan_cached.cache_clear()
+    for cache in _launch_caches:
+        cache.clear()
 
 
 def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1) -> Plan:
@@ -156,11 +213,11 @@ def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
     kind = _device_kind(tensors[0].device)
-    return _plan(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale)
+    return _plan_cached(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(
+def _plan_cached(
     shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple[str, int], tile_scale: int = 1
 ) -> Plan:
     C = shape[1]

@@ -27,7 +27,8 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._layout import plan
+from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._layout import cache_put, launch_cache, plan
 from tritonbn.kernels.backward_reduce import aux_tensor
 from tritonbn.kernels.elemt import empty_like_layout
 
@@ -224,32 +225,53 @@ def batch_norm_backward_elemt(
     if training and count is None:
         raise ValueError("batch_norm_backward_elemt: sums needs count")
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-    dx = empty_like_layout(x) if input_grad else None
-    if dx is None and out_grad_residual is None:
+    if not input_grad and out_grad_residual is None:
         return None
-    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, out_grad_residual)))
-    _batch_norm_backward_elemt_kernel[layout.grid](
+    dr = out_grad_residual
+    # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
+        None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+        None if sums is None else (sums.dtype, count.dtype), activation, negative_slope,
+        None if aux is None else (aux_kind, aux.stride(), aux.dtype), input_grad,
+        None if dr is None else (dr.stride(), dr.dtype),
+    )  # fmt: skip
+    launch = _launches.get(key)
+    if launch is None:
+        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, training, activation, negative_slope,
+                                                   aux, aux_kind, input_grad, dr))  # fmt: skip
+    dx = torch.empty_like(x, memory_format=torch.preserve_format) if input_grad else None
+    launch(
         grad_out,
         x,
         aux if aux is not None else x,
         dx if dx is not None else x,
-        out_grad_residual if out_grad_residual is not None else x,
+        dr if dr is not None else x,
         mean,
         invstd,
         weight if weight is not None else invstd,
         bias if bias is not None else invstd,
         sums if training else invstd,
         count if training else invstd,
-        *layout.size_args,
-        *layout.stride_args,
-        float(negative_slope),
+    )
+    return dx
+
+
+_launches = launch_cache()
+
+
+def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux, aux_kind, input_grad, dr) -> Launch:
+    """The launch of the backward elementwise kernel on arguments like these (see the key in the launcher)."""
+    dx = empty_like_layout(x) if input_grad else None
+    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)))
+    constexprs = dict(
         TRAINING=training,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATION_CODES[activation],
         AUX=aux_kind,
         WRITE_DX=dx is not None,
-        WRITE_DR=out_grad_residual is not None,
+        WRITE_DR=dr is not None,
         ACC=acc_dtypes(x)[0],
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
@@ -257,6 +279,6 @@ def batch_norm_backward_elemt(
         PLANE=layout.PLANE,
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
-        num_warps=layout.num_warps,
     )
-    return dx
+    tail = (*layout.size_args, *layout.stride_args, float(negative_slope))
+    return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=11)

@@ -38,7 +38,8 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._layout import plan, tickets
+from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
@@ -228,15 +229,25 @@ def batch_norm_backward_reduce(
         and ``grad_bias = sum(dz)`` are this rank's own, or ``None`` when not asked for.
     """
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-    layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
-    C, R = layout.C, layout.r_progs
-    acc, sdtype = acc_dtypes(x)
-    part = torch.empty((2, R, C), dtype=torch.float64, device=x.device)
-    sums = torch.empty((2, C), dtype=sdtype, device=x.device)
+    # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
+        None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad,
+        activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype),
+    )  # fmt: skip
+    launch = _launches.get(key)
+    if launch is None:
+        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation,
+                                                   negative_slope, aux, aux_kind))  # fmt: skip
+    device = x.device
+    C = x.shape[1]
+    sdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sums = torch.empty((2, C), dtype=sdtype, device=device)
     gdtype = weight.dtype if weight is not None else sdtype
-    grad_weight = torch.empty(C, dtype=gdtype, device=x.device) if weight_grad else None
-    grad_bias = torch.empty(C, dtype=gdtype, device=x.device) if bias_grad else None
-    _batch_norm_backward_reduce_kernel[layout.grid](
+    grad_weight = torch.empty(C, dtype=gdtype, device=device) if weight_grad else None
+    grad_bias = torch.empty(C, dtype=gdtype, device=device) if bias_grad else None
+    ws = workspace(device, launch.tickets, launch.scratch)
+    launch(
         grad_out,
         x,
         aux if aux is not None else x,
@@ -244,22 +255,30 @@ def batch_norm_backward_reduce(
         invstd,
         weight if weight is not None else invstd,
         bias if bias is not None else invstd,
-        part,
+        ws.scratch,
         sums,
         grad_weight if grad_weight is not None else sums,
         grad_bias if grad_bias is not None else sums,
-        tickets(x.device, layout.c_blocks),
-        *layout.size_args,
-        R,
-        *layout.stride_args,
-        float(negative_slope),
+        ws.tickets,
+    )
+    return sums, grad_weight, grad_bias
+
+
+_launches = launch_cache()
+
+
+def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind) -> Launch:
+    """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
+    layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
+    C, R = layout.C, layout.r_progs
+    constexprs = dict(
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
-        HAS_GW=grad_weight is not None,
-        HAS_GB=grad_bias is not None,
+        HAS_GW=weight_grad,
+        HAS_GB=bias_grad,
         ACTIVATION=ACTIVATION_CODES[activation],
         AUX=aux_kind,
-        ACC=acc,
+        ACC=acc_dtypes(x)[0],
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
         BLOCK_R=layout.BLOCK_R,
@@ -267,6 +286,7 @@ def batch_norm_backward_reduce(
         PLANE=layout.PLANE,
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
-        num_warps=layout.num_warps,
     )
-    return sums, grad_weight, grad_bias
+    tail = (*layout.size_args, R, *layout.stride_args, float(negative_slope))
+    return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
+                  tickets=layout.c_blocks, scratch=2 * R * C)  # fmt: skip

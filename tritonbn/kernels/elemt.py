@@ -42,7 +42,8 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._layout import plan, tickets
+from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 
 # One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).
@@ -59,8 +60,8 @@ def _batch_norm_elemt_kernel(
     rvar_ptr,  # (C,) running var
     nbt_ptr,  # () int64 num_batches_tracked
     ticket_ptr,  # (1,) int32 at zero: orders the num_batches_tracked update
-    mean_ptr,  # (C,) fp64 out: saved mean
-    invstd_ptr,  # (C,) ACC out: saved invstd
+    mean_ptr,  # (C,) fp64 out: saved mean, or unused
+    invstd_ptr,  # (C,) ACC out: saved invstd, or unused
     # sizes
     C,
     O1,
@@ -100,6 +101,7 @@ def _batch_norm_elemt_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    SAVE_STATS: tl.constexpr,  # write mean and invstd (for backward)
     ACC: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -116,8 +118,9 @@ def _batch_norm_elemt_kernel(
     invstd64 = 1.0 / tl.sqrt(var64 + (tl.cast(eps, tl.float64) + tl.cast(eps_lo, tl.float64)))
     invstd = invstd64.to(ACC)
     if pid_r == 0:
-        tl.store(mean_ptr + cols, mean64, mask=c_mask)
-        tl.store(invstd_ptr + cols, invstd, mask=c_mask)
+        if SAVE_STATS:
+            tl.store(mean_ptr + cols, mean64, mask=c_mask)
+            tl.store(invstd_ptr + cols, invstd, mask=c_mask)
         if UPDATE_RUNNING:
             # The programs of the first chunk update their own channels. The cumulative factor
             # 1 / (num_batches_tracked + 1) needs the count from before this step: every such program
@@ -214,7 +217,8 @@ def batch_norm_elemt(
     residual: torch.Tensor | None = None,
     activation: str | None = None,
     negative_slope: float = 0.01,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    save_stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Normalize ``x``, then add ``residual`` and apply ``activation``; in training, also update the running stats.
 
     Args:
@@ -232,26 +236,44 @@ def batch_norm_elemt(
         residual: a tensor shaped like ``x`` (any strides) added after the affine transform, or ``None``.
         activation: ``None``, ``"relu"``, ``"leaky_relu"`` (with ``negative_slope``) or ``"silu"``,
             applied last.
+        save_stats: return the statistics ``y`` was normalized with (what backward needs); ``False``
+            skips them (inference).
 
     Returns:
         ``(y, mean, invstd)``: ``y`` like ``x`` (same dtype and memory format), ``mean`` ``(C,)``
-        fp64 and ``invstd`` ``(C,)`` fp32 (fp64 for float64 ``x``), the statistics ``y`` was normalized with.
+        fp64 and ``invstd`` ``(C,)`` fp32 (fp64 for float64 ``x``), the statistics ``y`` was
+        normalized with; both ``None`` when ``save_stats`` is false.
     """
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
-    if momentum is None and training and running_mean is not None and num_batches_tracked is None:
-        raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
-    y = empty_like_layout(x)
-    layout = plan(x.shape, x, y, residual if residual is not None else x)
-    C = layout.C
-    acc, acc_torch = acc_dtypes(x)
-    mean = torch.empty(C, dtype=torch.float64, device=x.device)
-    invstd = torch.empty(C, dtype=acc_torch, device=x.device)
     update = training and running_mean is not None
-    has_nbt = update and num_batches_tracked is not None
-    dummy = mean
-    _batch_norm_elemt_kernel[layout.grid](
+    if momentum is None and update and num_batches_tracked is None:
+        raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
+    # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, save_stats, momentum, eps, activation, negative_slope,
+        None if stats is None else stats.dtype, None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+        None if running_mean is None else (running_mean.dtype, running_var.dtype),
+        None if num_batches_tracked is None else num_batches_tracked.dtype,
+        None if residual is None else (residual.stride(), residual.dtype),
+    )  # fmt: skip
+    launch = _launches.get(key)
+    if launch is None:
+        launch = cache_put(_launches, key, _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
+                                                   eps, residual, activation, negative_slope, save_stats))  # fmt: skip
+    device = x.device
+    y = torch.empty_like(x, memory_format=torch.preserve_format)
+    if save_stats:
+        C = x.shape[1]
+        mean = torch.empty(C, dtype=torch.float64, device=device)
+        invstd = torch.empty(C, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=device)
+        dummy = mean
+    else:
+        mean = invstd = None
+        dummy = y
+    launch(
         x,
         y,
         residual if residual is not None else x,
@@ -261,14 +283,25 @@ def batch_norm_elemt(
         running_mean if running_mean is not None else dummy,
         running_var if running_var is not None else dummy,
         num_batches_tracked if num_batches_tracked is not None else dummy,
-        tickets(x.device, 1) if has_nbt else dummy,
-        mean,
-        invstd,
-        *layout.size_args,
-        *layout.stride_args,
-        *split_float(0.0 if momentum is None else momentum),
-        *split_float(eps),
-        float(negative_slope),
+        workspace(device, 1).tickets if launch.tickets else dummy,
+        dummy if mean is None else mean,
+        dummy if invstd is None else invstd,
+    )
+    return y, mean, invstd
+
+
+_launches = launch_cache()
+
+
+def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum, eps, residual, activation,
+            negative_slope, save_stats) -> Launch:  # fmt: skip
+    """The launch of the elementwise kernel on arguments like these (see the key in :func:`batch_norm_elemt`)."""
+    y = empty_like_layout(x)
+    layout = plan(x.shape, x, y, residual if residual is not None else x)
+    training = stats is not None
+    update = training and running_mean is not None
+    has_nbt = update and num_batches_tracked is not None
+    constexprs = dict(
         TRAINING=training,
         UPDATE_RUNNING=update,
         CUMULATIVE=update and momentum is None,
@@ -277,13 +310,21 @@ def batch_norm_elemt(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         ACTIVATION=ACTIVATION_CODES[activation],
-        ACC=acc,
+        SAVE_STATS=save_stats,
+        ACC=acc_dtypes(x)[0],
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
         VEC=layout.VEC,
         PLANE=layout.PLANE,
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
-        num_warps=layout.num_warps,
     )
-    return y, mean, invstd
+    tail = (
+        *layout.size_args,
+        *layout.stride_args,
+        *split_float(0.0 if momentum is None else momentum),
+        *split_float(eps),
+        float(negative_slope),
+    )
+    return Launch(_batch_norm_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
+                  tickets=int(has_nbt))  # fmt: skip

@@ -39,7 +39,8 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._layout import plan, tickets
+from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
@@ -150,21 +151,25 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
         :func:`batch_norm_elemt` turns them into mean and var, and ``stats[-1:]`` is the count
         :func:`batch_norm_backward_elemt` takes.
     """
+    key = (x.shape, x.stride(), x.dtype, x.device)
+    launch = _launches.get(key) or cache_put(_launches, key, _launch(x))
+    device = x.device
+    C = x.shape[1]
+    ws = workspace(device, launch.tickets, launch.scratch)
+    stats = torch.empty(2 * C + 1, dtype=torch.float64, device=device)
+    launch(x, ws.scratch, stats, ws.tickets)
+    return stats
+
+
+_launches = launch_cache()
+
+
+def _launch(x: torch.Tensor) -> Launch:
+    """The launch of the statistics kernel on inputs like ``x`` (its shape, strides, dtype and device)."""
     layout = plan(x.shape, x, tile_scale=2)
     C, R = layout.C, layout.r_progs
-    acc, _ = acc_dtypes(x)
-    part = torch.empty((2, R, C), dtype=torch.float64, device=x.device)
-    stats = torch.empty(2 * C + 1, dtype=torch.float64, device=x.device)
-    _batch_norm_stats_kernel[layout.grid](
-        x,
-        part,
-        stats,
-        tickets(x.device, layout.c_blocks),
-        *layout.size_args,
-        R,
-        x.numel() // C,
-        *layout.stride_args,
-        ACC=acc,
+    constexprs = dict(
+        ACC=acc_dtypes(x)[0],
         BLOCK_C=layout.BLOCK_C,
         BLOCK_I=layout.BLOCK_I,
         BLOCK_R=layout.BLOCK_R,
@@ -172,6 +177,7 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
         PLANE=layout.PLANE,
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
-        num_warps=layout.num_warps,
     )
-    return stats
+    tail = (*layout.size_args, R, x.numel() // C, *layout.stride_args)
+    return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=4,
+                  tickets=layout.c_blocks, scratch=2 * R * C)  # fmt: skip
