@@ -15,6 +15,9 @@ TIMEOUT = datetime.timedelta(seconds=60)  # a hang fails the test instead of sta
 
 
 def _entry(rank, world, init_file, fn, args, timeout):
+    from fast_interpreter import install
+
+    install()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     try:

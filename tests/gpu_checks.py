@@ -5,6 +5,8 @@
    (momentum=None, so the cumulative factor is read on the device at every replay).
 2. An empty batch captured in a CUDA graph: the empty-rank guard lives in the kernels.
 3. Forward and backward under torch.cuda.set_sync_debug_mode("error"): no host synchronization.
+4. The direct launch (tritonbn/kernels/_launch.py) is the path a repeated step takes (no call of
+   Triton's ``JITFunction.run``), and gives the same bits as Triton's own launch path.
 
 Run directly (``python tests/gpu_checks.py``); tests/test_gpu.py runs it when a GPU is present.
 """
@@ -123,9 +125,51 @@ def check_no_host_sync():
     print("sync debug mode: training forward, backward and eval ran without a host synchronization")
 
 
+def check_direct_launch():
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from tritonbn.kernels import _launch
+
+    assert _launch.DIRECT, f"the direct launch is off with triton {triton.__version__}"
+
+    def step():
+        torch.manual_seed(0)
+        bn = tritonbn.SyncBatchNorm(24, activation="relu").cuda()
+        x = torch.randn(6, 24, 7, 9, device="cuda").to(memory_format=torch.channels_last).requires_grad_()
+        r = torch.randn(6, 24, 7, 9, device="cuda", requires_grad=True)
+        y = bn(x, r)
+        y.backward(torch.randn_like(y))
+        bn.eval()
+        return [y, x.grad, r.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var, bn(x.detach(), r)]
+
+    step()  # finds the kernels through Triton's path
+    calls = []
+    original = JITFunction.run
+
+    def counting(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    JITFunction.run = counting
+    try:
+        direct = step()
+        assert not calls, f"{len(calls)} launches of a repeated step went through JITFunction.run"
+        _launch.DIRECT = False
+        through_triton = step()
+        assert len(calls) == 5, f"Triton's path took {len(calls)} launches, expected 5"
+    finally:
+        JITFunction.run = original
+        _launch.DIRECT = True
+    for i, (a, b) in enumerate(zip(direct, through_triton, strict=True)):
+        assert torch.equal(a, b), f"result {i} differs between the direct launch and Triton's"
+    print("direct launch: a repeated step skips JITFunction.run and gives Triton's path's bits")
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("gpu_checks: no CUDA device")
+    check_direct_launch()
     check_cuda_graph_training_step()
     check_empty_batch_in_graph()
     check_no_host_sync()

@@ -63,10 +63,10 @@ def test_float64_module_eval_and_train(backend_name, training):
 def test_gradcheck_float64(backend_name, training):
     """torch.autograd.gradcheck at its default tolerances, as F.batch_norm passes it."""
     torch.manual_seed(4)
-    x = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True)  # 6 values per channel, 2 programs each
     w = (torch.rand(2, dtype=torch.float64) + 0.5).requires_grad_()
     b = torch.randn(2, dtype=torch.float64, requires_grad=True)
-    r = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True)
     rm, rv = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
 
     def f(x, w, b, r):

@@ -60,12 +60,7 @@ def direct_supported() -> bool:
 
 DIRECT = direct_supported()
 _data_ptr = torch.Tensor.data_ptr
-_hooks = knobs.runtime
-
-
-def _hooked(fn) -> bool:
-    """Whether a launch hook or a pre-run hook wants Triton's own path."""
-    return bool(_hooks.launch_enter_hook.calls or _hooks.launch_exit_hook.calls or fn.pre_run_hooks)
+_hooks = knobs.runtime  # its launch hook chains: a hook set there must see every launch
 
 
 class Launch:
@@ -112,8 +107,10 @@ class Launch:
             else:
                 key = device
             found = self.compiled.get(key)
-            if found is not None and not _hooked(fn):
-                run, function, metadata = found[:3]
+            if found is not None and not (
+                _hooks.launch_enter_hook.calls or _hooks.launch_exit_hook.calls or fn.pre_run_hooks
+            ):
+                run, function, metadata, _ = found
                 run(*self.grid, 1, active.get_current_stream(device), function, metadata, None, None, None,
                     *pointers, *self.args_after)  # fmt: skip
                 return
