@@ -120,6 +120,11 @@ def _rank(rank, world, out_dir):
                 steps.append({**grads, "buffers": buffers, "forward": forward, "backward": backward})
                 bn.weight.grad = bn.bias.grad = None
             found = diagnose.check_bn_sync(model)
+            saved = bn.running_mean.clone()
+            if rank == 3:  # one rank of the second group drifts
+                bn.running_mean.add_(1.0)
+            broken = diagnose.check_bn_sync(model)
+            bn.running_mean.copy_(saved)
             across = diagnose.check_bn_sync(model, process_group=dist.group.WORLD)
             repaired = tritonbn.sync_running_stats(model)
             pooled = [b.clone() for b in bn.buffers()]
@@ -134,6 +139,7 @@ def _rank(rank, world, out_dir):
                 "steps": steps,
                 "report": (found.ok, found.groups, found.group_ok, str(found)),
                 "report_world": (across.ok, across.groups, across.diverging),
+                "report_broken": (broken.ok, broken.group_ok, broken.diverging, broken.layers[0].mean_abs, str(broken)),
                 "repaired": repaired,
                 "pooled": pooled,
                 "report_after": (after.ok, after.groups),
@@ -215,6 +221,9 @@ def test_check_bn_sync_compares_within_groups(ranks, backend):
         assert ok, text
         assert groups == [[0, 1], [2, 3]] and group_ok == [True, True]
         assert "in sync within groups" in text and "within each of 2 groups of 2 ranks: 0-1 | 2-3" in text, text
+        ok, group_ok, diverging, mean_abs, text = r[backend]["report_broken"]
+        assert not ok and group_ok == [True, False] and diverging == ["0"], text
+        assert mean_abs == pytest.approx(1.0) and "diverge within groups: 0; in group 2-3" in text, text
         ok, groups, diverging = r[backend]["report_world"]
         assert not ok and groups == [[0, 1, 2, 3]] and diverging == ["0"], "across the world the groups differ"
         assert r[backend]["report_after"] == (True, [[0, 1, 2, 3]]), "sync_running_stats makes the world agree"
