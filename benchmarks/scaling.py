@@ -158,99 +158,80 @@ def measure(worlds, channels, warmup: int, steps: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 _NCCL = "NVIDIA/nccl src/graph/tuning.cc @ b6475625 (ncclTopoTuneModel)"
+PROTOCOLS = ("ll", "ll128", "simple")
+# name: (value, unit, source). Latency tables: {algorithm: {protocol: µs}}.
 ASSUMPTIONS = {
-    "gpus_per_node": (
-        8,
-        "GPUs",
-        "HGX H100/H200 nodes have 8 GPUs: MLCommons inference v4.1, NVIDIA "
-        "H200-SXM-141GBx8 system description (accelerators_per_node: 8)",
-    ),  # fmt: skip
-    "base_ring_ll_us": (6.6, "µs", f"baseLat[Ring][LL], {_NCCL}"),
-    "base_tree_ll_us": (6.8, "µs", f"baseLat[Tree][LL], {_NCCL}"),
-    "base_ring_simple_us": (8.4, "µs", f"baseLat[Ring][Simple], {_NCCL}"),
-    "base_tree_simple_us": (0.0, "µs", f"baseLat[Tree][Simple], {_NCCL}"),
-    "hop_nvlink_ll_us": (0.6, "µs", f"hwLat[NVLINK][Ring and Tree][LL]: one step inside a node, {_NCCL}"),
-    "hop_nvlink_ring_simple_us": (3.4, "µs", f"hwLat[NVLINK][Ring][Simple], {_NCCL}"),
-    "hop_nvlink_tree_simple_us": (28.0, "µs", f"hwLat[NVLINK][Tree][Simple], {_NCCL}"),
-    "hop_net_ring_ll_us": (2.7, "µs", f"hwLat[NET][Ring][LL]: one step between nodes, {_NCCL}"),
-    "hop_net_tree_ll_us": (5.0, "µs", f"hwLat[NET][Tree][LL], {_NCCL}"),
-    "hop_net_ring_simple_us": (14.0, "µs", f"hwLat[NET][Ring][Simple], {_NCCL}"),
-    "hop_net_tree_simple_us": (28.0, "µs", f"hwLat[NET][Tree][Simple], {_NCCL}"),
-    "net_overhead_us": (
-        1.0,
-        "µs",
-        f"getNetOverhead on x86 Intel hosts (x3 for Simple): the floor of an intra-node "
-        f"step in a ring that spans nodes, {_NCCL}",
-    ),  # fmt: skip
-    "nic_latency_us": (
-        0.0,
-        "µs",
-        "graphs->latencyInter, the NIC's own latency that NCCL adds per network step: "
-        "unknown here, taken as 0 (optimistic)",
-    ),  # fmt: skip
-    "bus_bw_nvlink_GBps": (
-        370.0,
-        "GB/s",
-        "effective NVLink bus bandwidth of NCCL on H100, protocol overhead included: "
-        "NCCL maintainer in https://github.com/NVIDIA/nccl-tests/issues/212",
-    ),  # fmt: skip
-    "bus_bw_net_GBps": (
-        50.0,
-        "GB/s",
-        "one 400 Gb/s InfiniBand NIC per GPU (rail-optimized: NVIDIA HGX AI Factory "
-        "reference architecture, network logical architecture), at line rate (optimistic)",
-    ),  # fmt: skip
-    "ll_max_bw_GBps": (
-        (87.7, 39.0, 20.4),
-        "GB/s",
-        f"llMaxBws, Hopper on 1 node / Intel on 2 and on more nodes: the "
-        f"LL protocol's bandwidth cap; LL runs at 1/4 (ring) and 1/3.8 (tree) of the bus, {_NCCL}",
-    ),  # fmt: skip
-}
+    "gpus_per_node": (8, "GPUs", "HGX H100/H200 nodes have 8 GPUs: MLCommons inference v4.1, NVIDIA "
+                      "H200-SXM-141GBx8 system description (accelerators_per_node: 8)"),  # fmt: skip
+    "base_latency_us": ({"ring": {"ll": 6.6, "ll128": 14.0, "simple": 8.4}, "tree": {"ll": 6.8, "ll128": 14.0,
+                        "simple": 0.0}}, "µs", f"baseLat: the fixed cost of one collective, {_NCCL}"),  # fmt: skip
+    "hop_nvlink_us": ({"ring": {"ll": 0.6, "ll128": 1.9, "simple": 3.4}, "tree": {"ll": 0.6, "ll128": 1.25,
+                      "simple": 28.0}}, "µs", f"hwLat[NVLINK]: one step inside a node, {_NCCL}"),  # fmt: skip
+    "hop_net_us": ({"ring": {"ll": 2.7, "ll128": 4.0, "simple": 14.0}, "tree": {"ll": 5.0, "ll128": 8.5,
+                   "simple": 28.0}}, "µs", f"hwLat[NET]: one step between nodes, {_NCCL}"),  # fmt: skip
+    "net_overhead_us": (1.0, "µs", f"getNetOverhead on x86 Intel hosts (x3 for Simple): the floor of an intra-node "
+                        f"step in a ring that spans nodes, {_NCCL}"),  # fmt: skip
+    "nic_latency_us": (0.0, "µs", "graphs->latencyInter, the NIC's own latency that NCCL adds per network step (twice "
+                       "for Simple): unknown here, taken as 0 (optimistic)"),  # fmt: skip
+    "bus_bw_nvlink_GBps": (370.0, "GB/s", "effective NVLink bus bandwidth of NCCL on H100, protocol overhead included: "
+                           "NCCL maintainer in https://github.com/NVIDIA/nccl-tests/issues/212"),  # fmt: skip
+    "bus_bw_net_GBps": (50.0, "GB/s", "one 400 Gb/s InfiniBand NIC per GPU (rail-optimized: NVIDIA HGX AI Factory "
+                        "reference architecture, network logical architecture), at line rate (optimistic); the "
+                        "bus bandwidth of every collective that spans nodes"),  # fmt: skip
+    "protocol_bw": ("LL: ring 1/4 of the bus (1/3 for a one-node all-gather), tree 0.92/3.8, capped at llMaxBws "
+                    "(87.7 GB/s on one Hopper node, 39.0 on 2 Intel-hosted nodes, 20.4 on more); LL128: ring 0.92, "
+                    "tree 0.92 x 7/9 on one node, x 120/128 across nodes; Simple: ring 1, tree 0.92; a tree's "
+                    "algorithm bandwidth is half its bus bandwidth, a ring's bus x ranks / steps", "",
+                    f"the model refinements of {_NCCL} (per-channel caps left out: the channel count is unknown)"),
+}  # fmt: skip
 
 
-def _a(name: str) -> float:
+def _a(name: str):
     return ASSUMPTIONS[name][0]
 
 
 def nccl_us(kind: str, ranks: int, nbytes: float) -> dict[str, float]:
-    """Modeled time of one collective, per (algorithm, protocol): ``kind`` is ``"all_reduce"`` or
-    ``"all_gather"``, ``nbytes`` the size of the result (NCCL's byte count). Key ``"best"``: NCCL's choice.
+    """Modeled time of one collective, per algorithm and protocol (``"ring_ll"``, ...): ``kind`` is
+    ``"all_reduce"`` or ``"all_gather"``, ``nbytes`` the size of the result (NCCL's byte count).
+    Key ``"best"``: the fastest, which is NCCL's choice.
     """
-    per_node = int(_a("gpus_per_node"))
-    nodes = max(1, math.ceil(ranks / per_node))
-    local = ranks // nodes
-    out = {}
     if ranks == 1:
         return {"best": 0.0}
-    for algo, proto in (("ring", "ll"), ("ring", "simple"), ("tree", "ll"), ("tree", "simple")):
-        if algo == "tree" and kind != "all_reduce":
-            continue
-        base = _a(f"base_{algo}_{proto}_us")
-        intra = _a("hop_nvlink_ll_us") if proto == "ll" else _a(f"hop_nvlink_{algo}_simple_us")
-        inter = _a(f"hop_net_{algo}_{proto}_us") + _a("nic_latency_us") * (2 if proto == "simple" else 1)
-        bus = _a("bus_bw_nvlink_GBps") if nodes == 1 else _a("bus_bw_net_GBps")
-        if algo == "ring":
-            steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
-            inter_steps = (2 * nodes if nodes > 1 else 0) if kind == "all_reduce" else nodes - 1
-            if nodes > 1:
-                intra = max(intra, _a("net_overhead_us") * (3 if proto == "simple" else 1))
-            latency = base + (steps - inter_steps) * intra + inter_steps * inter
-            if proto == "ll":
-                bus = min(_ll_cap(nodes), bus / 4)
-            algbw = bus * ranks / steps
-        else:
-            latency = base + 2 * ((local - 1) * intra + math.log2(nodes) * inter)
-            bus = bus * 0.92 if proto == "simple" else min(bus * 0.92 / 3.8, _ll_cap(nodes))
-            algbw = bus * 0.5
-        out[f"{algo}_{proto}"] = latency + nbytes / (algbw * 1e3)  # GB/s -> bytes per µs
+    nodes = max(1, math.ceil(ranks / int(_a("gpus_per_node"))))
+    local = ranks // nodes
+    out = {}
+    for algo in ("ring", "tree") if kind == "all_reduce" else ("ring",):
+        for proto in PROTOCOLS:
+            base = _a("base_latency_us")[algo][proto]
+            intra = _a("hop_nvlink_us")[algo][proto]
+            inter = _a("hop_net_us")[algo][proto] + _a("nic_latency_us") * (2 if proto == "simple" else 1)
+            bus = _a("bus_bw_nvlink_GBps") if nodes == 1 else _a("bus_bw_net_GBps")
+            if algo == "ring":
+                steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+                inter_steps = (2 * nodes if nodes > 1 else 0) if kind == "all_reduce" else nodes - 1
+                if nodes > 1:
+                    intra = max(intra, _a("net_overhead_us") * (3 if proto == "simple" else 1))
+                latency = base + (steps - inter_steps) * intra + inter_steps * inter
+                if proto == "ll":
+                    bus = min(_ll_cap(nodes), bus * (1 / 4 if nodes > 1 or kind == "all_reduce" else 1 / 3))
+                elif proto == "ll128":
+                    bus *= 0.92
+                algbw = bus * ranks / steps
+            else:
+                latency = base + 2 * ((local - 1) * intra + math.log2(nodes) * inter)
+                bus *= 0.92
+                if proto == "ll":
+                    bus = min(bus / 3.8, _ll_cap(nodes))
+                elif proto == "ll128":
+                    bus *= 7 / 9 if nodes == 1 else 120 / 128
+                algbw = bus * 0.5
+            out[f"{algo}_{proto}"] = latency + nbytes / (algbw * 1e3)  # GB/s -> bytes per µs
     out["best"] = min(out.values())
     return out
 
 
 def _ll_cap(nodes: int) -> float:
-    caps = _a("ll_max_bw_GBps")
-    return caps[0] if nodes == 1 else caps[1] if nodes == 2 else caps[2]
+    return 87.7 if nodes == 1 else 39.0 if nodes == 2 else 20.4
 
 
 def step_collectives(impl: str, channels: list[int], ranks: int) -> list[tuple[str, int]]:
@@ -262,16 +243,21 @@ def step_collectives(impl: str, channels: list[int], ranks: int) -> list[tuple[s
     return forward + [("all_reduce", 4 * 2 * c) for c in channels]
 
 
+def _best_of(times: dict[str, float], algo: str) -> float:
+    """The fastest protocol of ``algo``; a collective without it (an all-gather has no tree) takes its ring."""
+    keys = [k for k in times if k.startswith(algo + "_")] or [k for k in times if k.startswith("ring_")]
+    return min(times[k] for k in keys)
+
+
 def model_rows(channels: list[int]) -> list[dict]:
     rows = []
     for world in MODEL_WORLDS:
-        for impl, group_size in (("tritonbn", world), ("tritonbn", 8), ("allgather", world)):
+        for impl, group_size in dict.fromkeys((("tritonbn", world), ("tritonbn", 8), ("allgather", world))):
             times = [nccl_us(kind, group_size, n) for kind, n in step_collectives(impl, channels, group_size)]
             row = {"world": world, "impl": impl, "group_size": group_size,
                    "us_per_step": round(sum(t["best"] for t in times), 1)}  # fmt: skip
-            for variant in ("ring_ll", "ring_simple", "tree_ll", "tree_simple"):
-                if all(variant in t for t in times):
-                    row[f"us_{variant}"] = round(sum(t[variant] for t in times), 1)
+            for algo in ("ring", "tree"):  # every all-reduce with this algorithm (its best protocol)
+                row[f"us_{algo}"] = round(sum(_best_of(t, algo) for t in times), 1)
             rows.append(row)
     return rows
 
@@ -434,8 +420,7 @@ def markdown(result: dict) -> str:
         t, g, a = model[(w, "tritonbn", w)], model[(w, "tritonbn", 8)], model[(w, "allgather", w)]
         lines.append(f"| {w} | {t['us_per_step'] / 1e3:.2f} | {g['us_per_step'] / 1e3:.2f} | "
                      f"{a['us_per_step'] / 1e3:.1f} | {a['us_per_step'] / t['us_per_step']:.1f}x | "
-                     f"{min(t['us_ring_ll'], t['us_ring_simple']) / 1e3:.2f}, "
-                     f"{min(t['us_tree_ll'], t['us_tree_simple']) / 1e3:.2f} |")  # fmt: skip
+                     f"{t['us_ring'] / 1e3:.2f}, {t['us_tree'] / 1e3:.2f} |")  # fmt: skip
     lines += ["", "Assumptions (every parameter of the model, with its source):", "",
               "| parameter | value | source |", "|---|---|---|"]  # fmt: skip
     for name, (value, unit, source) in ASSUMPTIONS.items():
