@@ -2,6 +2,7 @@
 
 * :class:`SyncBatchNorm`: a drop-in for ``torch.nn.SyncBatchNorm`` and ``nn.BatchNorm*d``.
 * :func:`convert_sync_batchnorm` / :func:`revert_sync_batchnorm`: swap a model's batch norms.
+* :func:`syncbn_group`: node-local BatchNorm groups of ``group_size`` consecutive ranks.
 * :func:`sync_batch_norm`: the functional form.
 * :func:`fuse_batchnorm_activations`: fuse BatchNorm -> (add ->) activation into tritonbn modules.
 * :mod:`tritonbn.diagnose`, :func:`sync_running_stats`, :func:`recalibrate_batchnorm`: find and
@@ -16,6 +17,7 @@ from tritonbn import diagnose
 from tritonbn.diagnose import recalibrate_batchnorm, sync_running_stats
 from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
+from tritonbn.groups import syncbn_group
 from tritonbn.modules import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 
 __version__ = "0.1.0"
@@ -33,6 +35,7 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
+    "syncbn_group",
     "sync_batch_norm",
     "fuse_batchnorm_activations",
     "sync_running_stats",

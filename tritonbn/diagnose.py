@@ -6,8 +6,10 @@ checkpoint that ships is whichever rank saved it. This module tells you whether 
 repairs it:
 
 * :func:`find_unsynced_batchnorm`: which BatchNorm modules will not synchronize (no communication).
-* :func:`check_bn_sync`: a collective comparing every BatchNorm's buffers and settings across ranks.
-* :func:`tritonbn.sync_running_stats`: pool the running statistics of all ranks (the quick repair).
+* :func:`check_bn_sync`: a collective comparing every BatchNorm's buffers and settings across ranks
+  (within each BatchNorm group when the model synchronizes in groups, :func:`tritonbn.syncbn_group`).
+* :func:`tritonbn.sync_running_stats`: pool the running statistics of all ranks (the quick repair, and
+  the end-of-training step when BatchNorm synchronizes in groups).
 * :func:`tritonbn.recalibrate_batchnorm`: recompute them exactly on given batches ("precise BN").
 """
 
@@ -26,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from tritonbn.distributed import check_signature, collective_device, debug_enabled, resolve_group
+from tritonbn.groups import group_ranks, group_size_of, syncbn_group
 from tritonbn.modules import _PLAIN, SyncBatchNorm
 
 # A layer is in sync when, per channel, max - min across ranks <= ATOL + RTOL * max(|max|, |min|).
@@ -91,20 +94,43 @@ class LayerRecord:
 
 @dataclass
 class SyncReport:
-    """Result of :func:`check_bn_sync` or of ``tritonbn doctor``; ``str(report)`` is a readable table."""
+    """Result of :func:`check_bn_sync` or of ``tritonbn doctor``; ``str(report)`` is a readable table.
+
+    ``world_size`` is the number of ranks (or checkpoints) compared with each other. ``groups`` holds
+    the global ranks of each group that :func:`check_bn_sync` compared within (one group when it
+    compared across a whole process group; ``None`` for ``tritonbn doctor``), and ``group_ok`` whether
+    each group is in sync. With several groups, each layer's figures are the worst over the groups.
+    """
 
     layers: list[LayerRecord]
     world_size: int
     atol: float = ATOL
     rtol: float = RTOL
+    groups: list[list[int]] | None = None
+    group_ok: list[bool] | None = None
 
     @property
     def ok(self) -> bool:
-        return all(layer.ok for layer in self.layers)
+        return all(layer.ok for layer in self.layers) and all(self.group_ok or [])
 
     @property
     def diverging(self) -> list[str]:
         return [layer.name for layer in self.layers if not layer.ok]
+
+    @property
+    def diverging_groups(self) -> list[list[int]]:
+        """The groups (global ranks) in which some layer diverges."""
+        return [g for g, ok in zip(self.groups or [], self.group_ok or [], strict=True) if not ok]
+
+    def compared(self) -> str:
+        """Which ranks were compared with which, in words: ``"within each of 2 groups of 2 ranks: 0-1 | 2-3"``."""
+        if not self.groups:
+            return ""
+        if len(self.groups) == 1:
+            return f"compared one group: ranks {_ranks_text(self.groups[0])}"
+        shown = " | ".join(_ranks_text(g) for g in self.groups[:8]) + (" | ..." if len(self.groups) > 8 else "")
+        return (f"compared within each of {len(self.groups)} groups of {len(self.groups[0])} ranks: {shown}; "
+                "groups are not compared with each other")  # fmt: skip
 
     def __str__(self) -> str:
         head = ("layer", "mean max|d|", "mean rel", "var max|d|", "var rel", "batches", "status")
@@ -123,13 +149,27 @@ class SyncReport:
         widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        where = f"across {self.world_size} ranks" if not self.groups or len(self.groups) == 1 else "within groups"
         verdict = (
-            f"all {len(self.layers)} BatchNorm layers in sync across {self.world_size} ranks"
+            f"all {len(self.layers)} BatchNorm layers in sync {where}"
             if self.ok
-            else f"{len(self.diverging)} of {len(self.layers)} BatchNorm layers diverge across {self.world_size} "
-            f"ranks: {', '.join(self.diverging)}"
+            else f"{len(self.diverging)} of {len(self.layers)} BatchNorm layers diverge {where}: "
+            f"{', '.join(self.diverging)}"
         )
+        if self.groups and len(self.groups) > 1 and not self.ok:
+            bad = self.diverging_groups
+            verdict += "; in " + (f"group{'s' if len(bad) > 1 else ''} " + ", ".join(_ranks_text(g) for g in bad)
+                                  if bad else "no one group: num_batches_tracked differs between groups")  # fmt: skip
+        if self.groups:
+            verdict += f" ({self.compared()})"
         return "\n".join([*lines, verdict])
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``"0-3"`` for consecutive ranks, else ``"0, 2, 5"``."""
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 def _batches_text(batches: tuple[int, int] | None) -> str:
@@ -179,19 +219,40 @@ def _layer_vector(m: _BatchNorm) -> torch.Tensor:
     return torch.cat([*parts, settings.double()])
 
 
-def check_bn_sync(model: nn.Module, process_group=None, atol: float = ATOL, rtol: float = RTOL) -> SyncReport:
+def check_bn_sync(
+    model: nn.Module, process_group=None, atol: float = ATOL, rtol: float = RTOL, *, group_size: int | None = None
+) -> SyncReport:
     """Compare every BatchNorm's running statistics and settings across the ranks of ``process_group``.
 
     A layer diverges when, for some channel, the spread ``max - min`` across ranks of its running
     mean or var exceeds ``atol + rtol * max(|max|, |min|)``, when ``num_batches_tracked`` differs, or
     when ``momentum``, ``eps``, ``affine`` or ``track_running_stats`` differ.
 
-    A collective: every rank of the group must call it, with the same BatchNorm layers (DDP
-    guarantees that). It makes one packed MAX all-reduce of every layer's buffers and settings for
-    the whole model; with ``TRITONBN_DEBUG=1`` a small signature all-reduce first checks that the
-    ranks hold the same layout, so that a mismatch raises on every rank instead of hanging.
+    **Groups.** When BatchNorm synchronizes within groups (:func:`tritonbn.syncbn_group`), the running
+    statistics are equal within a group and differ between groups, by design. ``group_size=k``
+    compares the ranks of each group of ``k`` consecutive ranks with each other, and never one group
+    with another; so does a ``process_group`` made by :func:`tritonbn.syncbn_group`. By default
+    (neither given), the groups are those of the model: when all its synchronized BatchNorm layers use
+    the groups of one ``group_size``, it compares within them, and otherwise across the world. The
+    report says which groups it compared (``report.groups``, and the last line of ``str(report)``),
+    which groups diverge, and gives each layer's worst figures over the groups.
+
+    A collective: every rank of the world (of ``process_group`` when it is some other group) must
+    call it, with the same BatchNorm layers (DDP guarantees that). It makes one packed MAX
+    all-reduce of every layer's buffers and settings for the whole model, within the group; with
+    groups, a second small one (a dozen numbers per layer, one per group) merges the groups' verdicts
+    so that every rank returns the same report. With ``TRITONBN_DEBUG=1`` a small signature
+    all-reduce first checks that the ranks hold the same layout, so that a mismatch raises on every
+    rank instead of hanging.
     """
+    if process_group is not None and group_size is not None:
+        raise ValueError("check_bn_sync: pass process_group or group_size, not both")
     layers = batchnorm_modules(model)
+    if group_size is not None:
+        process_group = syncbn_group(group_size)
+    size = group_size_of(process_group) if process_group is not None else _model_group_size(layers)
+    if process_group is None and size is not None:
+        process_group = syncbn_group(size)
     vectors = [_layer_vector(m) for _, m in layers]
     group = resolve_group(process_group)
     world = dist.get_world_size(group) if group is not None else 1
@@ -212,7 +273,55 @@ def check_bn_sync(model: nn.Module, process_group=None, atol: float = ATOL, rtol
         records.append(layer_record(name, hi[offset : offset + n], lo[offset : offset + n], m.num_features, tracked,
                                     atol, rtol))  # fmt: skip
         offset += n
-    return SyncReport(records, world, atol, rtol)
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized and size is not None and size < dist.get_world_size():
+        groups = group_ranks(size, dist.get_world_size())
+        group_ok = _merge_groups(records, size, len(groups))
+        return SyncReport(records, size, atol, rtol, groups, group_ok)
+    if process_group is not None and initialized:
+        ranks = dist.get_process_group_ranks(process_group)
+    else:
+        ranks = list(range(dist.get_world_size() if initialized else 1))
+    return SyncReport(records, world, atol, rtol, [ranks], [all(r.ok for r in records)])
+
+
+def _model_group_size(layers: list[tuple[str, _BatchNorm]]) -> int | None:
+    """The ``group_size`` of the :func:`tritonbn.syncbn_group` groups that all synchronized layers use,
+    or ``None`` (compare across the world) when they use none, several, or other process groups."""
+    sizes = {group_size_of(m.process_group) for _, m in layers if isinstance(m, SyncBatchNorm | nn.SyncBatchNorm)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+_MERGED = 7 + len(_SETTINGS)  # per layer: 4 spreads, -min and max batches, diverged, settings that differ
+
+
+def _merge_groups(records: list[LayerRecord], size: int, count: int) -> list[bool]:
+    """Merge every group's records into the worst over the groups, in place, on every rank; return
+    whether each group is in sync. One MAX all-reduce over the world of ``7 + 4`` numbers per layer
+    and one per group: each rank fills in its own group's (every rank of a group holds the same).
+    """
+    numbers = torch.full((len(records) * _MERGED + count,), -math.inf, dtype=torch.float64)
+    for i, r in enumerate(records):
+        spreads = [math.inf if math.isnan(v) else v for v in (r.mean_abs, r.mean_rel, r.var_abs, r.var_rel)]
+        batches = [-r.batches[0], r.batches[1]] if r.batches else [-math.inf, -math.inf]
+        numbers[i * _MERGED : (i + 1) * _MERGED] = torch.tensor(
+            [*spreads, *batches, float(r.diverged), *(float(s in r.mismatches) for s in _SETTINGS)],
+            dtype=torch.float64,
+        )
+    mine = dist.get_rank() // size
+    numbers[len(records) * _MERGED :] = 0.0
+    numbers[len(records) * _MERGED + mine] = 0.0 if all(r.ok for r in records) else 1.0
+    world = dist.group.WORLD
+    merged = numbers.to(collective_device(world))
+    dist.all_reduce(merged, op=dist.ReduceOp.MAX, group=world)
+    merged = merged.cpu().tolist()
+    for i, r in enumerate(records):
+        v = merged[i * _MERGED : (i + 1) * _MERGED]
+        r.mean_abs, r.mean_rel, r.var_abs, r.var_rel = v[:4]
+        r.batches = (int(-v[4]), int(v[5])) if r.batches is not None else None
+        r.diverged = v[6] > 0
+        r.mismatches = [s for s, flag in zip(_SETTINGS, v[7:], strict=True) if flag > 0]
+    return [flag == 0 for flag in merged[len(records) * _MERGED :]]
 
 
 def _tracked(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
@@ -221,13 +330,19 @@ def _tracked(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
 
 @torch.no_grad()
 def sync_running_stats(model: nn.Module, process_group=None) -> int:
-    """Repair drifted running statistics by pooling them across the ranks of ``process_group``.
+    """Pool the running statistics over the ranks of ``process_group`` (default: the world).
 
     Every layer gets the mean over ranks of ``running_mean``, and the pooled variance
     ``mean_r(var_r + mean_r^2) - mean^2``, which includes the spread of the means between ranks.
     ``num_batches_tracked`` becomes the rounded mean over ranks. One packed fp64 all-reduce for the
     whole model; afterwards every rank holds identical buffers. A collective: every rank must call it.
     Returns the number of layers updated.
+
+    Two uses: repairing a model trained with unsynchronized BatchNorm, and, when BatchNorm
+    synchronizes within groups (:func:`tritonbn.syncbn_group`, whose running statistics differ
+    between groups by design), giving every rank the statistics of the whole world before
+    evaluating or saving a checkpoint, as timm's ``distribute_bn`` does. With groups of equal size,
+    pooling over the world's ranks weighs every group equally.
     """
     layers = _tracked(model)
     group = resolve_group(process_group)

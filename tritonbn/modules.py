@@ -12,6 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from tritonbn.activations import check_activation
 from tritonbn.distributed import resolve_group, world
 from tritonbn.functional import Layer, check_inputs, check_momentum, run
+from tritonbn.groups import syncbn_group
 
 _ORIGINAL = "_tritonbn_original_class"
 _TEMPLATE = "_tritonbn_original_module"  # a converted subclass instance, given back by revert
@@ -154,9 +155,11 @@ class SyncBatchNorm(_BatchNorm):
         super().__setattr__(name, value)
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None, *, strict: bool = False) -> nn.Module:
+    def convert_sync_batchnorm(
+        cls, module: nn.Module, process_group=None, *, group_size: int | None = None, strict: bool = False
+    ) -> nn.Module:
         """Same as :func:`tritonbn.convert_sync_batchnorm`."""
-        return convert_sync_batchnorm(module, process_group, strict=strict)
+        return convert_sync_batchnorm(module, process_group, group_size=group_size, strict=strict)
 
 
 class SyncBatchNormAct(SyncBatchNorm):
@@ -302,8 +305,15 @@ def _convert(module: nn.Module, process_group) -> nn.Module:
     return out
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group=None, *, strict: bool = False) -> nn.Module:
+def convert_sync_batchnorm(
+    module: nn.Module, process_group=None, *, group_size: int | None = None, strict: bool = False
+) -> nn.Module:
     """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by :class:`SyncBatchNorm`.
+
+    The new modules synchronize over ``process_group`` (default: the world), or, with
+    ``group_size``, within groups of ``group_size`` consecutive ranks (:func:`tritonbn.syncbn_group`,
+    a collective: every rank must convert with the same ``group_size``); ``group_size=1`` is local
+    BatchNorm with tritonbn's kernels. Passing both is an error.
 
     The new modules share the original parameters and buffers (so device, dtype,
     ``requires_grad`` and optimizer references are kept) and the training mode, and remember the
@@ -319,6 +329,13 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, *, strict: boo
     alone, with one warning naming those layers, or a ``ValueError`` before anything changes when
     ``strict=True``.
     """
+    if group_size is not None:
+        if process_group is not None:
+            raise ValueError(
+                "convert_sync_batchnorm: pass process_group or group_size, not both "
+                f"(got process_group={process_group!r} and group_size={group_size!r})"
+            )
+        process_group = syncbn_group(group_size)
     left = unconverted_batchnorms(module)
     if left:
         message = (
