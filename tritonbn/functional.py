@@ -188,7 +188,7 @@ def _kept_for_backward(y, residual, activation, negative_slope):
 
 def forward_pass(
     ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-    activation, negative_slope, group,
+    activation, negative_slope, group, stats_sink=None,
 ):  # fmt: skip
     """The forward pass over the launchers in ``ops``: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
 
@@ -196,6 +196,9 @@ def forward_pass(
     ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the global
     packed ``[sum x | sum x^2 | count]``. A forward that runs inside a backward pass (an
     activation-checkpointing recompute) leaves the running statistics alone.
+
+    ``stats_sink`` (:func:`tritonbn.accumulate_stats`): a ``(2C + 1,)`` fp64 buffer that ``stats``
+    is added into, on the device, in place of the running-stat update.
     """
     if not training:
         y, mean, invstd = ops.batch_norm_elemt(
@@ -208,6 +211,9 @@ def forward_pass(
     stats = ops.batch_norm_stats(x)
     if group is not None:
         all_reduce_sum(stats, group)
+    if stats_sink is not None:  # tritonbn.accumulate_stats: pool the global sums, update nothing now
+        stats_sink.add_(stats)
+        running_mean = running_var = num_batches_tracked = None
     y, mean, invstd = ops.batch_norm_elemt(
         x, weight, bias, stats=stats, running_mean=running_mean, running_var=running_var,
         num_batches_tracked=num_batches_tracked, momentum=momentum, eps=eps, residual=residual,
@@ -377,15 +383,17 @@ class EagerBatchNormFunction(torch.autograd.Function):
     """Autograd over :func:`forward_pass` / :func:`backward_pass` for eager calls.
 
     ``spec`` is ``(ops, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-    activation, negative_slope, group, layer)``: what the passes need besides the differentiable tensors.
+    activation, negative_slope, group, layer, stats_sink)``: what the passes need besides the
+    differentiable tensors.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, spec):
-        ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, slope, group, _ = spec
+        (ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation, slope, group, _,
+         sink) = spec  # fmt: skip
         y, mean, invstd, stats = forward_pass(
             ops, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-            activation, slope, group,
+            activation, slope, group, sink,
         )  # fmt: skip
         keep_residual, keep_output = _kept_for_backward(y, residual, activation, slope)
         ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
@@ -395,7 +403,7 @@ class EagerBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
-        ops, _, _, _, training, _, _, activation, slope, group, layer = ctx.spec
+        ops, _, _, _, training, _, _, activation, slope, group, layer, _ = ctx.spec
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         dx, dw, db, dr = backward_pass(
             ops, grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, slope,
@@ -449,6 +457,7 @@ def batch_norm(
     num_features: int | None = None,
     debug_group=None,
     layer: str = "",
+    stats_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Checked entry point shared by :func:`sync_batch_norm` and the module.
 
@@ -456,6 +465,7 @@ def batch_norm(
     ``debug_group`` (default ``group``) is what ``TRITONBN_DEBUG=1`` checks signatures over; the
     module passes its group there in eval too, so that a rank in eval while others train is caught.
     ``layer`` is the layer's identity in those checks (the module passes its qualified name).
+    ``stats_sink``: see :func:`forward_pass` (eager calls only).
     """
     debug_group = group if debug_group is None else debug_group
     compiling = torch.compiler.is_compiling()
@@ -483,6 +493,11 @@ def batch_norm(
         check_signature(debug_group, "forward", _signature(input, training, input_grad), layer=layer)
     negative_slope = float(negative_slope)
     if compiling or not _eager(input):
+        if stats_sink is not None:
+            raise RuntimeError(
+                "tritonbn.accumulate_stats needs eager calls: it does not work under torch.compile, functorch "
+                "transforms (vmap) or dispatch modes (make_fx)"
+            )
         return SyncBatchNormFunction.apply(
             input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
             activation, negative_slope, group_name(group), layer,
@@ -490,11 +505,11 @@ def batch_norm(
     ops = ops_for(input)
     if input_grad or _params_need_grad(weight, bias, residual):
         spec = (ops, running_mean, running_var, num_batches_tracked, training, momentum, eps, activation,
-                negative_slope, group, layer)  # fmt: skip
+                negative_slope, group, layer, stats_sink)  # fmt: skip
         return _apply_eager(input, weight, bias, residual, spec)
     return forward_pass(
         ops, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-        activation, negative_slope, group,
+        activation, negative_slope, group, stats_sink,
     )[0]  # fmt: skip
 
 

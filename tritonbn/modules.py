@@ -17,6 +17,7 @@ _ORIGINAL = "_tritonbn_original_class"
 _TEMPLATE = "_tritonbn_original_module"  # a converted subclass instance, given back by revert
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _LAYER = "_tritonbn_layer"  # the layer's identity in TRITONBN_DEBUG=1 checks
+ACCUMULATOR = "_tritonbn_accumulator"  # set by tritonbn.accumulate_stats (tritonbn/accumulate.py)
 _built = itertools.count()
 
 
@@ -52,6 +53,9 @@ class SyncBatchNorm(_BatchNorm):
 
     Under ``torch.fx`` (any tracer) the module is a leaf: one ``call_module`` node.
     """
+
+    # Set on the instance inside tritonbn.accumulate_stats. A plain attribute read, which dynamo guards.
+    _tritonbn_accumulator = None
 
     def __init__(
         self,
@@ -121,6 +125,9 @@ class SyncBatchNorm(_BatchNorm):
         tracking = not training or self.track_running_stats
         # Eval communicates nothing (with track_running_stats=False it uses this rank's own batch).
         group = resolve_group(self.process_group)
+        # Inside tritonbn.accumulate_stats: where this call's global sums go instead of the running stats.
+        accumulator = self._tritonbn_accumulator
+        sink = accumulator(input) if accumulator is not None and training else None
         return batch_norm(
             input,
             running_mean if tracking else None,
@@ -138,6 +145,7 @@ class SyncBatchNorm(_BatchNorm):
             num_features=self.num_features,
             debug_group=group,
             layer=getattr(self, _LAYER, ""),
+            stats_sink=sink,
         )
 
     @classmethod
