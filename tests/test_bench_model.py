@@ -146,3 +146,16 @@ def test_bench_two_ranks(tmp_path, monkeypatch, capfd):
     rows = _rows(out)
     assert rows and all(float(r["ms"]) > 0 for r in rows)
     assert "2 rank(s) on cpu" in capfd.readouterr().out  # printed by rank 0, a spawned process
+
+
+def test_bench_budget_spent(tmp_path, monkeypatch, capsys):
+    """Past --budget-s no case starts; the table and CSV are still written, with nothing made up."""
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    out = tmp_path / "out"
+    assert main(["bench", "--model", "demo", "--budget-s", "1e-9", "--out", str(out), *FAST]) == 0
+    rows = _rows(out)
+    assert rows and all(r["ms"] == "" and r["error"] == "skipped: time budget spent" for r in rows)
+    printed = capsys.readouterr().out
+    assert f"{len(rows)} case(s) not measured" in printed
+    (line,) = [s for s in printed.splitlines() if s.startswith("total per step") and " train " in s]
+    assert line.split()[-3:] == ["-", "-", "-"]

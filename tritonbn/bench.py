@@ -473,6 +473,9 @@ def report(result: dict, out: str) -> None:
     print(f"wrote {os.path.join(out, 'bench_model.csv')}" + (f"; {why_not}" if why_not else " and bench_model.png"))
     if result["meta"]["device"] == "cpu":
         print(CPU_NOTE)
+    skipped = sum(r.get("error", "").startswith("skipped") for r in result["rows"])
+    if skipped:
+        print(f"  {skipped} case(s) not measured: the --budget-s time budget was spent (a '-' in the table)")
     failed = [r for r in result["rows"] if "error" in r and not r["error"].startswith("skipped")]
     for r in failed:
         print(f"  failed: {r['shape']} {r['mode']} {r['provider']}: {r['error']}")
