@@ -238,7 +238,7 @@ def layer_cases():
     g = torch.randn(SHAPE)
     rm, rv, w, b, nbt = bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.num_batches_tracked
     ops = backend.ops_for(x)
-    spec = (ops, rm, rv, nbt, True, 0.1, 1e-5, None, 0.01, None, "")
+    spec = (ops, rm, rv, nbt, True, 0.1, 1e-5, None, 0.01, None, "", None)
     fwd = functional.forward_pass
     bwd = functional.backward_pass
 
