@@ -18,9 +18,11 @@ times (a layer shared between branches, a layer skipped in some micro-batches): 
 a ``RuntimeError`` on leaving the block that names the layers and their counts.
 
 Layers in eval mode, layers with ``track_running_stats=False``, and activation-checkpointing
-recomputes (forwards inside a backward pass) are not counted and add nothing. Eager calls only:
-under ``torch.compile``, functorch transforms or dispatch modes the layer raises an error, and so it
-does while a CUDA graph is being captured.
+recomputes (forwards inside a backward pass) are not counted and add nothing. Eager calls only: a
+call while a CUDA graph is being captured raises an error, and so does one under functorch transforms
+or dispatch modes. Under ``torch.compile`` the layer's call raises inside the traced code, so dynamo
+runs it eagerly (a graph break; the block's attribute is guarded, so graphs compiled before the block
+are not reused inside it), and with ``fullgraph=True`` dynamo's error quotes this module's.
 """
 
 from __future__ import annotations
