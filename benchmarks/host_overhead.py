@@ -274,7 +274,7 @@ def layer_cases():
     rm, rv, w, b, nbt = bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.num_batches_tracked
     ops = backend.ops_for(x)
     layer = functional.Layer(True, 0.1, 1e-5)
-    spec = (ops, layer, rm, rv, nbt)
+    spec = (ops, layer, rm, rv, nbt, None)
     fwd = functional.forward_pass
     bwd = functional.backward_pass
     apply = functional._apply_eager

@@ -12,7 +12,9 @@
 #   2. the headline (<= 240 s): benchmarks/headline.py, ResNet-50 channels_last bf16 forward+backward
 #      per BatchNorm shape and summed over the model, tritonbn against torch.nn.SyncBatchNorm's sync
 #      path and cuDNN, then a whole ResNet-50 training step, eager and torch.compile;
-#   3. the rest of the benchmark matrix, subset by subset, while time is left; then the report.
+#   3. while time is left (<= 120 s, and only with at least 60 s left): `tritonbn bench --model resnet50`,
+#      the built-in ResNet-50's BatchNorm inputs at batch 32, channels_last bf16, training and eval, into
+#      OUTDIR/bench_model/; then the rest of the benchmark matrix, subset by subset; then the report.
 # Usage: scripts/gpu_check.sh OUTDIR [TOTAL_SECONDS (default 470)]. Python: $PYTHON (default python3).
 # Packages beyond torch and triton: wheels in .whl/ are installed into a temporary folder first, if
 # there are any; pytest-benchmark and matplotlib are optional (stage 3 and the plots are skipped).
@@ -62,7 +64,16 @@ stage grouped_tests 60 "$python" -m pytest -q -x -p no:cacheprovider -o addopts=
 # 2. The headline table and the training step.
 stage headline 240 "$python" benchmarks/headline.py --out "$out" --budget-s 200 2>&1 | tee "$out/headline.txt"
 
-# 3. The rest of the matrix, most valuable subsets first, each into its own JSON.
+# 3. tritonbn bench on the built-in ResNet-50 (a budget that leaves it time to write its table), then the
+# rest of the matrix, most valuable subsets first, each into its own JSON.
+if (($(left) >= 60)); then
+    budget=$(($(left) - 30))
+    ((budget > 90)) && budget=90
+    stage bench_model 120 "$python" -m tritonbn bench --model resnet50 --dtype bf16 --channels-last --reps 20 \
+        --budget-s "$budget" --out "$out/bench_model" 2>&1 | tee "$out/bench_model.txt"
+else
+    echo "bench_model: skipped, less than 60 s left" | tee -a "$out/stages.txt"
+fi
 if has pytest_benchmark; then
     n=0
     for subset in "resnet50 and channels_last and bf16" "epilogue" "sweep" "resnet50 and contiguous and bf16" \

@@ -8,12 +8,15 @@
 * :mod:`tritonbn.diagnose`, :func:`sync_running_stats`, :func:`recalibrate_batchnorm`: find and
   repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
+* :func:`accumulate_stats`: one running-statistics update per optimizer step under gradient accumulation.
 * :mod:`tritonbn.lightning`: the Lightning plugin ``TritonSyncBatchNorm`` (imported on first use).
+* :mod:`tritonbn.mmengine`: ``"TritonSyncBN"`` for OpenMMLab configs (imported on first use).
 
 Set ``TRITONBN_BACKEND=auto|triton|torch`` to choose the implementation (see :mod:`tritonbn.backend`).
 """
 
 from tritonbn import diagnose
+from tritonbn.accumulate import accumulate_stats
 from tritonbn.diagnose import recalibrate_batchnorm, sync_running_stats
 from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
@@ -24,10 +27,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name == "lightning":  # imports Lightning, so only when asked for
+    if name in ("lightning", "mmengine"):  # they import Lightning / mmengine, so only when asked for
         import importlib
 
-        return importlib.import_module("tritonbn.lightning")
+        return importlib.import_module(f"tritonbn.{name}")
     raise AttributeError(f"module 'tritonbn' has no attribute {name!r}")
 
 
@@ -40,6 +43,7 @@ __all__ = [
     "fuse_batchnorm_activations",
     "sync_running_stats",
     "recalibrate_batchnorm",
+    "accumulate_stats",
     "diagnose",
     "__version__",
 ]

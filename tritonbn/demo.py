@@ -73,7 +73,10 @@ def ddp_without_buffer_sync(model: nn.Module, device: torch.device) -> nn.Module
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **no_sync)
 
 
-def train(model: nn.Module, steps: int, rank: int, world: int, device: torch.device) -> nn.Module:
+def train(
+    model: nn.Module, steps: int, rank: int, world: int, device: torch.device, trace: list | None = None
+) -> nn.Module:
+    """``steps`` SGD steps under DDP; with ``trace``, append ``(stats spread, eval spread)`` after each step."""
     ddp = ddp_without_buffer_sync(model, device)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     for step in range(steps):
@@ -83,6 +86,9 @@ def train(model: nn.Module, steps: int, rank: int, world: int, device: torch.dev
         loss = F.cross_entropy(ddp(x.to(device)), t.to(device), reduction="sum") * world / (PER_RANK * world)
         loss.backward()
         opt.step()
+        if trace is not None:
+            trace.append((stats_spread(model), eval_spread(model, device)))
+            model.train()
     return model
 
 
@@ -119,13 +125,58 @@ def distance(model: nn.Module, reference: nn.Module | None) -> float:
     )
 
 
+def stats_spread(model: nn.Module) -> float:
+    """The largest relative difference across ranks of a BN running mean or var (a collective)."""
+    return max((max(r.mean_rel, r.var_rel) for r in check_bn_sync(model).layers), default=0.0)
+
+
 def figures(model: nn.Module, reference: nn.Module | None, device: torch.device) -> tuple[float, float, float]:
     """A table row: running-stat spread across ranks (largest relative), eval spread, distance to 1 process."""
-    stats_spread = max((max(r.mean_rel, r.var_rel) for r in check_bn_sync(model).layers), default=0.0)
-    return stats_spread, eval_spread(model, device), distance(model, reference)
+    return stats_spread(model), eval_spread(model, device), distance(model, reference)
 
 
-def _worker(rank: int, world: int, device: torch.device, steps: int) -> None:
+PLOTTED = ("plain BatchNorm under DDP", "tritonbn.SyncBatchNorm")
+
+
+def draw(traces: dict[str, list[tuple[float, float]]], path: str, world: int, device: torch.device) -> str:
+    """Two panels, per training step: the BN running-stat spread and the eval-output spread across ranks.
+
+    The figures go to a CSV beside ``path`` first (``FILE.csv``), whose name is returned.
+    """
+    table = os.path.splitext(path)[0] + ".csv"
+    with open(table, "w") as f:
+        f.write("method,step,bn_stats_spread,eval_spread\n")
+        for label, trace in traces.items():
+            f.writelines(f"{label},{step},{s!r},{e!r}\n" for step, (s, e) in enumerate(trace, 1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.1))
+    styles = {PLOTTED[0]: ("tab:red", "o"), PLOTTED[1]: ("tab:blue", "s")}
+    panels = ("BN running-stat spread across ranks", "eval-output spread across ranks")
+    for i, (ax, title) in enumerate(zip(axes, panels, strict=True)):
+        for label, trace in traces.items():
+            color, marker = styles[label]
+            steps = range(1, len(trace) + 1)
+            ax.plot(steps, [t[i] for t in trace], color=color, marker=marker, markersize=3, label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("training step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("largest relative difference", fontsize=8)
+    axes[1].set_ylabel("largest difference", fontsize=8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"tritonbn demo: {world} {device.type.upper()} ranks, each with its own data "
+                 "(tritonbn: 0, identical on every rank)", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return table
+
+
+def _worker(rank: int, world: int, device: torch.device, steps: int, plot: str | None = None) -> None:
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     probe = torch.empty(0, device=device)
     say(f"tritonbn demo: {world} ranks over {dist.get_backend()} on {device.type}, tritonbn backend "
@@ -142,11 +193,13 @@ def _worker(rank: int, world: int, device: torch.device, steps: int) -> None:
         ("tritonbn.SyncBatchNorm", tritonbn.convert_sync_batchnorm),
     ]
     plain = None
+    traces: dict[str, list] = {}
     for i, (label, convert) in enumerate(methods, 1):
         say(f"  [{i}/4] {label} ...")
         model = convert(make_model()).to(device)
+        trace = traces.setdefault(label, []) if plot and label in PLOTTED else None
         try:
-            train(model, steps, rank, world, device)
+            train(model, steps, rank, world, device, trace)
         except (ValueError, RuntimeError) as e:  # torch.nn.SyncBatchNorm refuses CPU tensors
             rows.append((label, None, None, None, str(e).splitlines()[0]))
             continue
@@ -176,9 +229,12 @@ def _worker(rank: int, world: int, device: torch.device, steps: int) -> None:
         "sync_running_stats re-aligns a drifted model's statistics; its weights were still trained\n"
         "with per-rank statistics."
     )
+    if plot and rank == 0:
+        table = draw(traces, plot, world, device)
+        say(f"\nwrote {plot} (figures in {table}): the two spreads after every step, plain BatchNorm against tritonbn")
 
 
-def _run(device: torch.device, steps: int, **init) -> None:
+def _run(device: torch.device, steps: int, plot: str | None = None, **init) -> None:
     """Join the process group, run the demo, and leave together (a rank that tears gloo down while its
     peer still talks can abort the peer)."""
     if device.type == "cuda":
@@ -186,29 +242,37 @@ def _run(device: torch.device, steps: int, **init) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120), **init)
     try:
-        _worker(dist.get_rank(), dist.get_world_size(), device, steps)
+        _worker(dist.get_rank(), dist.get_world_size(), device, steps, plot)
         gc.collect()  # free the DDP wrappers (their reducers hold the group) before the group goes
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, init_file: str, use_cuda: bool, steps: int) -> None:
+def _spawned(rank: int, world: int, init_file: str, use_cuda: bool, steps: int, plot: str | None = None) -> None:
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    _run(device, steps, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    _run(device, steps, plot, init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
-def main(world: int = 2, steps: int = 10, cpu: bool = False) -> int:
+def main(world: int = 2, steps: int = 10, cpu: bool = False, plot: str | None = None) -> int:
+    """Run the demo; ``plot``: also write that PNG of the spreads per step (needs matplotlib)."""
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("tritonbn demo --plot needs matplotlib: pip install 'tritonbn[plot]'", file=sys.stderr)
+            return 2
+        plot = os.path.abspath(plot)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: it set up the rendezvous
         local = int(os.environ.get("LOCAL_RANK", 0))
-        _run(torch.device("cuda", local) if not cpu and torch.cuda.is_available() else torch.device("cpu"), steps)
+        _run(torch.device("cuda", local) if not cpu and torch.cuda.is_available() else torch.device("cpu"), steps, plot)
         return 0
     use_cuda = not cpu and torch.cuda.device_count() >= world
     print(f"spawning {world} {'GPU' if use_cuda else 'CPU'} ranks ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(
-            _spawned, args=(world, os.path.join(tmp, "init"), use_cuda, steps), nprocs=world, join=True
+            _spawned, args=(world, os.path.join(tmp, "init"), use_cuda, steps, plot), nprocs=world, join=True
         )
     return 0
 

@@ -214,7 +214,7 @@ class Layer:
 
 
 def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual,
-                 save_stats=True):  # fmt: skip
+                 save_stats=True, stats_sink=None):  # fmt: skip
     """The forward pass over the launchers in ``ops``: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
 
     Training: local stats, the one all-reduce over ``layer.group`` (``None``: no communication),
@@ -222,6 +222,9 @@ def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_bat
     packed ``[sum x | sum x^2 | count]``. A forward that runs inside a backward pass (an
     activation-checkpointing recompute) leaves the running statistics alone. ``save_stats=False``
     (nothing will run backward) skips ``mean`` and ``invstd``.
+
+    ``stats_sink`` (:func:`tritonbn.accumulate_stats`): a ``(2C + 1,)`` fp64 buffer that ``stats``
+    is added into, on the device, in place of the running-stat update.
     """
     if not layer.training:
         y, mean, invstd = ops.batch_norm_elemt(
@@ -234,6 +237,9 @@ def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_bat
     stats = ops.batch_norm_stats(x)
     if layer.group is not None:
         all_reduce_sum(stats, layer.group)
+    if stats_sink is not None:  # tritonbn.accumulate_stats: pool the global sums, update nothing now
+        stats_sink.add_(stats)
+        running_mean = running_var = num_batches_tracked = None
     y, mean, invstd = ops.batch_norm_elemt(
         x, weight, bias, stats=stats, running_mean=running_mean, running_var=running_var,
         num_batches_tracked=num_batches_tracked, momentum=layer.momentum, eps=layer.eps, residual=residual,
@@ -403,15 +409,15 @@ class SyncBatchNormFunction(torch.autograd.Function):
 class EagerBatchNormFunction(torch.autograd.Function):
     """Autograd over :func:`forward_pass` / :func:`backward_pass` for eager calls.
 
-    ``spec`` is ``(ops, layer, running_mean, running_var, num_batches_tracked)``: what the passes
-    need besides the differentiable tensors.
+    ``spec`` is ``(ops, layer, running_mean, running_var, num_batches_tracked, stats_sink)``: what the
+    passes need besides the differentiable tensors.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, spec):
-        ops, layer, running_mean, running_var, num_batches_tracked = spec
+        ops, layer, running_mean, running_var, num_batches_tracked, sink = spec
         y, mean, invstd, stats = forward_pass(
-            ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual
+            ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, stats_sink=sink
         )
         if residual is None or layer.activation is None:
             ctx.save_for_backward(x, weight, bias, mean, invstd, stats)
@@ -478,15 +484,17 @@ def batch_norm(
     num_features: int | None = None,
     debug_group=None,
     layer: str = "",
+    stats_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Checked entry point of :func:`sync_batch_norm`: :func:`run` with a :class:`Layer` made for this call.
 
     ``group`` (resolved) is what the statistics are synchronized over, ``None`` for this rank alone.
     ``debug_group`` (default ``group``) is what ``TRITONBN_DEBUG=1`` checks signatures over.
-    ``layer`` is the layer's identity in those checks.
+    ``layer`` is the layer's identity in those checks. ``stats_sink``: see :func:`forward_pass`.
     """
     spec = Layer(training, momentum, eps, activation, negative_slope, group, debug_group, layer)
-    return run(spec, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features)
+    return run(spec, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features,
+               stats_sink)  # fmt: skip
 
 
 def run(
@@ -499,12 +507,14 @@ def run(
     num_batches_tracked: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     num_features: int | None = None,
+    stats_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One call of ``layer`` on these tensors: the checks, then the eager Function, the custom ops, or no autograd.
 
     Every argument a rank can get wrong alone is checked first; with ``TRITONBN_DEBUG=1`` the ranks
     of ``layer.debug_group`` then compare signatures, so that a rank whose input was rejected makes
-    every rank raise instead of leaving them waiting in the next collective.
+    every rank raise instead of leaving them waiting in the next collective. ``stats_sink``: see
+    :func:`forward_pass` (eager calls only).
     """
     training = layer.training
     debug_group = layer.debug_group
@@ -532,16 +542,23 @@ def run(
     if checking:
         check_signature(debug_group, "forward", _signature(input, training, input_grad), layer=layer.name)
     if compiling or not _eager(input):
+        if stats_sink is not None:
+            raise RuntimeError(
+                "tritonbn.accumulate_stats needs eager calls: it does not work under torch.compile, functorch "
+                "transforms (vmap) or dispatch modes (make_fx)"
+            )
         return SyncBatchNormFunction.apply(
             input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, layer.momentum,
             layer.eps, layer.activation, float(layer.negative_slope), group_name(layer.group), layer.name,
         )  # fmt: skip
     ops = ops_for(input)
     if input_grad or (grad_mode and _params_need_grad(weight, bias, residual)):
-        return _apply_eager(input, weight, bias, residual, (ops, layer, running_mean, running_var, num_batches_tracked))
+        spec = (ops, layer, running_mean, running_var, num_batches_tracked, stats_sink)
+        return _apply_eager(input, weight, bias, residual, spec)
     return forward_pass(
-        ops, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, save_stats=False
-    )[0]
+        ops, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, save_stats=False,
+        stats_sink=stats_sink,
+    )[0]  # fmt: skip
 
 
 def sync_batch_norm(

@@ -18,6 +18,7 @@ _ORIGINAL = "_tritonbn_original_class"
 _TEMPLATE = "_tritonbn_original_module"  # a converted subclass instance, given back by revert
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _LAYER = "_tritonbn_layer"  # the layer's identity in TRITONBN_DEBUG=1 checks
+ACCUMULATOR = "_tritonbn_accumulator"  # set by tritonbn.accumulate_stats (tritonbn/accumulate.py)
 _CALL = "_tritonbn_call"  # the module's functional.Layer, dropped when one of _SETTINGS changes
 _SETTINGS = frozenset(
     ("training", "momentum", "eps", "activation", "negative_slope", "process_group", "track_running_stats", _LAYER)
@@ -57,6 +58,9 @@ class SyncBatchNorm(_BatchNorm):
 
     Under ``torch.fx`` (any tracer) the module is a leaf: one ``call_module`` node.
     """
+
+    # Set on the instance inside tritonbn.accumulate_stats. A plain attribute read, which dynamo guards.
+    _tritonbn_accumulator = None
 
     def __init__(
         self,
@@ -133,8 +137,11 @@ class SyncBatchNorm(_BatchNorm):
             num_batches_tracked = None
         else:
             num_batches_tracked = None
+        # Inside tritonbn.accumulate_stats: where this call's global sums go instead of the running stats.
+        accumulator = self._tritonbn_accumulator
+        sink = accumulator(input) if accumulator is not None and self.training else None
         return run(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
-                   self.num_features)  # fmt: skip
+                   self.num_features, sink)  # fmt: skip
 
     def _layer(self, batch_stats: bool = False) -> Layer:
         """This layer's :class:`~tritonbn.functional.Layer`, kept until a setting in ``_SETTINGS`` changes.

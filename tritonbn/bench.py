@@ -1,0 +1,499 @@
+"""``tritonbn bench --model``: what tritonbn gives *your* model's BatchNorm layers.
+
+    tritonbn bench --model mypkg.models:build_net --input 32,3,224,224 --dtype bf16 --channels-last --out DIR
+    tritonbn bench --model resnet50                  # built in: ResNet-50 (torchvision's layout, no torchvision)
+
+1. Builds the model: ``MODULE:CALLABLE`` is imported (the current directory is on the path) and
+   called without arguments; it returns an ``nn.Module``. Built-in names: see :data:`BUILTIN`.
+2. Runs one training forward of a random ``--input`` batch (under autocast for bf16/fp16; the model
+   in channels_last with ``--channels-last``), with forward hooks that record every BatchNorm's
+   input: shape, dtype and strides (the layout).
+3. Times each distinct input, training forward+backward and eval, per provider, at the strides the
+   model produced. On a GPU: tritonbn, ``torch.nn.SyncBatchNorm``'s synchronized path (``torch_sync``),
+   and ``nn.BatchNorm*d`` (``batchnorm``: cuDNN, no synchronization). tritonbn and torch_sync both
+   synchronize over a real process group of ``--world`` ranks, also at world size 1. On CPU:
+   tritonbn's PyTorch backend (``tritonbn[torch]``), its Triton kernels when they run under the
+   interpreter (``TRITON_INTERPRET=1``; ``tritonbn[triton]``), and ``batchnorm``.
+4. Prints one table (layers and calls per step for each input, the median time per provider, the
+   speedup of tritonbn over the reference provider, and the total per training step), and writes
+   ``DIR/bench_model.csv`` and the bar chart ``DIR/bench_model.png`` (with matplotlib).
+
+Times are medians of ``--reps`` timed calls (CUDA events on a GPU, a wall clock on CPU) after
+``--warmup`` calls, the same number on every rank (the collectives must pair up). CPU times say
+nothing about a GPU: on CPU the defaults are small, to check the command and your model's shapes.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import importlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CPU_NOTE = (
+    "CPU run: these times say nothing about a GPU. The Triton kernels are written for GPUs; on CPU they run "
+    "under an interpreter, and the sizes are small. Run on a CUDA GPU for figures that mean something."
+)
+
+
+def _demo_cnn() -> nn.Module:
+    from tritonbn.demo import make_model
+
+    return make_model()
+
+
+def _resnet50() -> nn.Module:
+    from tritonbn.resnet50 import resnet50
+
+    return resnet50()
+
+
+# name -> (builder, default input on a GPU, default input on CPU)
+BUILTIN = {
+    "resnet50": (_resnet50, (32, 3, 224, 224), (2, 3, 32, 32)),
+    "demo": (_demo_cnn, (8, 3, 12, 12), (8, 3, 12, 12)),
+}
+
+
+def build_model(spec: str) -> tuple[nn.Module, tuple[int, ...] | None, tuple[int, ...] | None]:
+    """``(model, default GPU input, default CPU input)`` for a built-in name or ``MODULE:CALLABLE``."""
+    if spec in BUILTIN:
+        builder, gpu_input, cpu_input = BUILTIN[spec]
+        return builder(), gpu_input, cpu_input
+    if ":" not in spec:
+        raise ValueError(f"--model must be MODULE:CALLABLE or one of {', '.join(BUILTIN)}, got {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--model {spec}: cannot import module {module_name!r} ({e})") from e
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"--model {spec}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    model = target() if callable(target) and not isinstance(target, nn.Module) else target
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {spec}: calling {attr} gave {type(model).__name__}, expected a torch.nn.Module")
+    return model, None, None
+
+
+def parse_input(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.replace("x", ",").split(",") if v.strip())
+    except ValueError:
+        shape = ()
+    if len(shape) < 2 or any(d < 1 for d in shape):
+        raise ValueError(f"--input must be a positive shape such as 32,3,224,224, got {text!r}")
+    return shape
+
+
+def layout_name(shape, stride) -> str:
+    t = torch.empty_strided(shape, stride, device="meta")
+    if t.is_contiguous():
+        return "contiguous"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return "strided"
+
+
+@dataclass
+class Shape:
+    """One distinct BatchNorm input of the model, and where it occurs."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    layers: set = field(default_factory=set)
+    calls: int = 0
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.shape))
+
+    @property
+    def layout(self) -> str:
+        return layout_name(self.shape, self.stride)
+
+
+def record_shapes(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> list[Shape]:
+    """Every BatchNorm input of one training forward of ``model(x)``, grouped by (shape, strides, dtype)."""
+    found: dict[tuple, Shape] = {}
+
+    def hook(name):
+        def record(_module, inputs):
+            t = inputs[0]
+            key = (tuple(t.shape), tuple(t.stride()), t.dtype)
+            entry = found.setdefault(key, Shape(*key))
+            entry.layers.add(name)
+            entry.calls += 1
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    if not handles:
+        raise ValueError("the model has no BatchNorm layer (nn.BatchNorm*d, nn.SyncBatchNorm or tritonbn's)")
+    model.train()
+    try:
+        with torch.no_grad(), _autocast(x.device, dtype):
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return list(found.values())
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class Timer:
+    """Median ms of ``reps`` calls after ``warmup``: CUDA events on a GPU, a wall clock on CPU; fixed counts."""
+
+    def __init__(self, device: torch.device, warmup: int, reps: int) -> None:
+        self.device, self.warmup, self.reps = device, warmup, reps
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def providers(device: torch.device) -> tuple[list[str], str, dict[str, str]]:
+    """``(providers, reference, unavailable)``: what runs here, what the speedup is over, and why others do not."""
+    if device.type == "cuda":
+        return ["tritonbn", "torch_sync", "batchnorm"], "torch_sync", {}
+    from tritonbn.backend import interpreted
+
+    names, missing = ["tritonbn[torch]"], {}
+    if interpreted():
+        names.append("tritonbn[triton]")
+    else:
+        missing["tritonbn[triton]"] = "the Triton kernels run on CPU only under TRITON_INTERPRET=1"
+    missing["torch_sync"] = "torch.nn.SyncBatchNorm refuses CPU tensors"
+    return names + ["batchnorm"], "batchnorm", missing
+
+
+def _case(provider: str, s: Shape, mode: str, device: torch.device, group, world: int):
+    """A closure running one training forward+backward (``mode="train"``) or one eval forward."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    C = s.shape[1]
+    x = torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device)
+    x.copy_(torch.randn(s.shape, generator=g).to(s.dtype))
+    pdtype = torch.float64 if s.dtype == torch.float64 else torch.float32
+    w = torch.rand(C, generator=g, dtype=pdtype).to(device).requires_grad_()
+    b = torch.randn(C, generator=g, dtype=pdtype).to(device).requires_grad_()
+    rm, rv = torch.zeros(C, device=device, dtype=pdtype), torch.ones(C, device=device, dtype=pdtype)
+    nbt = torch.zeros((), dtype=torch.long, device=device)
+    train = mode == "train"
+    if provider.startswith("tritonbn"):
+        from tritonbn.functional import batch_norm
+
+        if "[" in provider:
+            os.environ["TRITONBN_BACKEND"] = provider[len("tritonbn[") : -1]
+        fwd = lambda: batch_norm(x, rm, rv, w, b, train, 0.1, 1e-5, group if train else None, nbt)  # noqa: E731
+    elif provider == "torch_sync" and train:
+        from torch.nn.modules._functions import SyncBatchNorm as SyncFunction
+
+        fwd = lambda: SyncFunction.apply(x, w, b, rm, rv, 1e-5, 0.1, group, world)  # noqa: E731
+    else:  # batchnorm, and torch_sync in eval (nn.SyncBatchNorm's eval is F.batch_norm)
+        fwd = lambda: F.batch_norm(x, rm, rv, w, b, train, 0.1, 1e-5)  # noqa: E731
+    if not train:
+
+        def run():
+            with torch.no_grad():
+                fwd()
+
+        return run
+    x.requires_grad_()
+    dy = torch.randn_like(x)
+
+    def run():
+        x.grad = w.grad = b.grad = None
+        fwd().backward(dy)
+
+    return run
+
+
+class Progress:
+    """A one-line progress bar on a terminal, one line per step otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.tty = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        line = f"  [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {what}"
+        if self.tty:
+            sys.stderr.write("\r" + line[:120].ljust(120) + ("\n" if self.done == self.total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
+    """Record, then time every (shape, provider, mode) on this rank; rank 0 returns the results."""
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    model, gpu_input, cpu_input = build_model(args.model)
+    shape = args.input or (gpu_input if device.type == "cuda" else cpu_input)
+    if shape is None:
+        raise ValueError(f"--model {args.model}: give the input shape with --input N,C,H,W")
+    dtype = DTYPES[args.dtype]
+    fmt = torch.channels_last if args.channels_last and len(shape) == 4 else torch.contiguous_format
+    if args.channels_last and len(shape) == 5:
+        fmt = torch.channels_last_3d
+    model = model.to(device).to(memory_format=fmt) if fmt != torch.contiguous_format else model.to(device)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device).contiguous(memory_format=fmt)
+    shapes = record_shapes(model, x, dtype)
+    del model, x
+    names, reference, missing = providers(device)
+    layers = sum(len(s.layers) for s in shapes)
+    say(f"tritonbn bench: {args.model}, input {'x'.join(map(str, shape))} {args.dtype}"
+        f"{' channels_last' if fmt != torch.contiguous_format else ''}: {layers} BatchNorm layers, "
+        f"{sum(s.calls for s in shapes)} calls per step, {len(shapes)} distinct inputs; "
+        f"{world} rank(s) on {device.type}, providers {', '.join(names)}")  # fmt: skip
+    if device.type != "cuda":
+        say(CPU_NOTE)
+    for name, why in missing.items():
+        say(f"  {name}: not measured ({why})")
+    group = dist.group.WORLD
+    timer = Timer(device, args.warmup, args.reps)
+    deadline = time.time() + args.budget_s if args.budget_s else None
+    progress = Progress(len(shapes) * len(names) * 2, rank == 0)
+    backend_env = os.environ.get("TRITONBN_BACKEND")
+    rows = []
+    try:
+        for s in shapes:
+            for mode in ("train", "eval"):
+                for provider in names:
+                    row = {"shape": s.label, "dtype": str(s.dtype).replace("torch.", ""), "layout": s.layout,
+                           "stride": ",".join(map(str, s.stride)), "layers": len(s.layers), "calls": s.calls,
+                           "mode": mode, "provider": provider}  # fmt: skip
+                    # Every rank decides alike (rank 0's clock), so the collectives still pair up.
+                    late = torch.tensor([float(deadline is not None and time.time() > deadline)])
+                    if world > 1:
+                        late = late.to(_collective_device(device))
+                        dist.broadcast(late, 0)
+                    if late.item():
+                        row["error"] = "skipped: time budget spent"
+                    else:
+                        try:
+                            row["ms"] = timer(_case(provider, s, mode, device, group, world))
+                        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                            if world > 1:
+                                raise  # the ranks' collectives would no longer pair up
+                            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        finally:
+                            _restore_backend(backend_env)
+                    rows.append(row)
+                    progress.step(f"{s.label} {mode} {provider}")
+    finally:
+        _restore_backend(backend_env)
+    if rank != 0:
+        return None
+    meta = {
+        "model": args.model,
+        "input": "x".join(map(str, shape)),
+        "dtype": args.dtype,
+        "channels_last": fmt != torch.contiguous_format,
+        "world": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "reference": reference,
+        "providers": names,
+    }
+    return {"rows": rows, "meta": meta}
+
+
+def _collective_device(device: torch.device) -> torch.device:
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
+def _restore_backend(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("TRITONBN_BACKEND", None)
+    else:
+        os.environ["TRITONBN_BACKEND"] = value
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def table(result: dict) -> str:
+    """The printed table: one line per (input, mode), the providers' ms, speedup, then the totals per step."""
+    meta, rows = result["meta"], result["rows"]
+    names, ref = meta["providers"], meta["reference"]
+    ours = next(n for n in names if n.startswith("tritonbn"))
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        by.setdefault((r["shape"], r["dtype"], r["layout"], r["mode"]), {"row": r})[r["provider"]] = r.get("ms")
+    head = ["input", "dtype", "layout", "layers", "calls", "mode", *[f"{n} ms" for n in names], f"vs {ref}"]
+    lines = [head]
+    totals = {(mode, n): 0.0 for mode in ("train", "eval") for n in names}
+    complete = {key: True for key in totals}
+    for (label, dt, layout, mode), entry in by.items():
+        r = entry["row"]
+        for n in names:
+            if entry.get(n) is None:
+                complete[(mode, n)] = False
+            else:
+                totals[(mode, n)] += r["calls"] * entry[n]
+        speed = "-" if entry.get(ours) is None or entry.get(ref) is None else f"{entry[ref] / entry[ours]:.2f}x"
+        lines.append([label, dt, layout, str(r["layers"]), str(r["calls"]), mode,
+                      *[_ms(entry.get(n)) for n in names], speed])  # fmt: skip
+    for mode in ("train", "eval"):
+        tot = {n: totals[(mode, n)] if complete[(mode, n)] else None for n in names}
+        speed = "-" if tot[ours] is None or tot[ref] is None else f"{tot[ref] / tot[ours]:.2f}x"
+        lines.append(["total per step", "", "", "", "", mode, *[_ms(tot[n]) for n in names], speed])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    text.insert(len(text) - 2, "  ".join("-" * w for w in widths))
+    mode_text = "train: forward+backward in training mode; eval: forward with the running statistics."
+    return (
+        "\n".join(text)
+        + f"\n{mode_text} Medians in ms; total per step = sum of calls x ms; "
+        + (f"speedup = {ref} / {ours}.")
+    )
+
+
+def write_csv(result: dict, path: str) -> None:
+    fields = ["shape", "dtype", "layout", "stride", "layers", "calls", "mode", "provider", "ms", "error"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for r in result["rows"]:
+            writer.writerow({k: r.get(k, "") for k in fields})
+
+
+def plot(result: dict, path: str) -> str | None:
+    """Bars of ms per training step (calls x ms) per input and provider, train and eval; ``None`` or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'tritonbn[plot]'): no bench_model.png"
+    meta, rows = result["meta"], result["rows"]
+    names = meta["providers"]
+    labels = list(dict.fromkeys(f"{r['shape']}\n{r['layout']}" for r in rows))
+    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(labels) + 2), 7), sharex=True)
+    width = 0.8 / len(names)
+    for ax, mode in zip(axes, ("train", "eval"), strict=True):
+        for i, n in enumerate(names):
+            ms = {f"{r['shape']}\n{r['layout']}": r["calls"] * r["ms"] for r in rows
+                  if r["mode"] == mode and r["provider"] == n and "ms" in r}  # fmt: skip
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
+            ax.bar(xs, [ms.get(label, 0.0) for label in labels], width, label=n)
+        ax.set_ylabel(f"{mode}: ms per step")
+        ax.set_title("training forward+backward" if mode == "train" else "eval forward", fontsize=9)
+        ax.legend(fontsize=8)
+    axes[1].set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
+    title = (f"{meta['model']}, input {meta['input']} {meta['dtype']}, {meta['world']} rank(s), {meta['device']}: "
+             "BatchNorm time per step (calls x median)")  # fmt: skip
+    if meta["device"] == "cpu":
+        title += "\nCPU run: these times say nothing about a GPU"
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return None
+
+
+def _device_for(rank: int, cpu: bool) -> torch.device:
+    return torch.device("cuda", rank) if not cpu and torch.cuda.is_available() else torch.device("cpu")
+
+
+def _run_rank(rank: int, world: int, init_file: str, args) -> dict | None:
+    device = _device_for(rank, args.cpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    try:
+        result = measure(args, device, rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        report(result, args.out)
+    return result
+
+
+def _spawned(rank: int, world: int, init_file: str, args) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _run_rank(rank, world, init_file, args)
+
+
+def report(result: dict, out: str) -> None:
+    """Print the table and write ``out/bench_model.csv`` and ``out/bench_model.png``."""
+    print(table(result), flush=True)
+    os.makedirs(out, exist_ok=True)
+    write_csv(result, os.path.join(out, "bench_model.csv"))
+    why_not = plot(result, os.path.join(out, "bench_model.png"))
+    print(f"wrote {os.path.join(out, 'bench_model.csv')}" + (f"; {why_not}" if why_not else " and bench_model.png"))
+    if result["meta"]["device"] == "cpu":
+        print(CPU_NOTE)
+    skipped = sum(r.get("error", "").startswith("skipped") for r in result["rows"])
+    if skipped:
+        print(f"  {skipped} case(s) not measured: the --budget-s time budget was spent (a '-' in the table)")
+    failed = [r for r in result["rows"] if "error" in r and not r["error"].startswith("skipped")]
+    for r in failed:
+        print(f"  failed: {r['shape']} {r['mode']} {r['provider']}: {r['error']}")
+
+
+def main(args) -> int:
+    """Entry point of ``tritonbn bench`` (arguments parsed by :mod:`tritonbn.__main__`)."""
+    if args.input is not None:
+        args.input = parse_input(args.input)
+    build_model(args.model)  # fail early, in this process, on a bad --model
+    if args.world > 1 and not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() < args.world:
+        raise ValueError(f"--world {args.world} needs {args.world} GPUs, found {torch.cuda.device_count()} (or --cpu)")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        if args.world == 1:
+            result = _run_rank(0, 1, init_file, args)
+        else:
+            torch.multiprocessing.spawn(_spawned, args=(args.world, init_file, args), nprocs=args.world, join=True)
+            result = {"rows": []}
+    failed = [r for r in (result or {"rows": []})["rows"] if "error" in r and not r["error"].startswith("skipped")]
+    return 1 if failed else 0
