@@ -24,7 +24,9 @@ Triton's own path runs instead:
 * under the Triton interpreter (CPU tensors: there is no compiled kernel);
 * while a launch hook is set (a profiler such as proton) or the kernel has pre-run hooks;
 * when the installed Triton is not one whose launch layout was checked (:data:`VERIFIED`);
-* for the first launch of each (plan, device, alignment), which compiles or finds the kernel.
+* for the first launch of each (plan, device, alignment), which compiles or finds the kernel;
+* when Triton has no active GPU driver (``benchmarks/kernel_audit.py`` records launches on a machine
+  without a GPU through Triton's path).
 
 Triton's compile options that it reads from the environment on each call (``TRITON_DEBUG``, the
 instrumentation mode) are read when a kernel is first found for a plan, as in inductor.
@@ -99,7 +101,11 @@ class Launch:
     def __call__(self, *pointers: torch.Tensor) -> None:
         if DIRECT:
             fn = self.fn
-            active = driver.active
+            try:
+                active = driver.active
+            except RuntimeError:  # no GPU driver: Triton's own path decides (the kernel audit records it there)
+                self.fn[self.grid](*pointers, *self.scalars, **self.options)
+                return
             device = active.get_current_device()
             # Triton specializes a pointer on whether it is 16-byte aligned: all of them, usually.
             if reduce(operator.or_, map(_data_ptr, pointers)) & 15:
