@@ -45,7 +45,9 @@ communicates.
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
+from tritonbn import higher_order
 from tritonbn.activations import check_activation, output_gives_grad
 from tritonbn.backend import ops_for
 from tritonbn.distributed import all_reduce_sum, check_signature, debug_enabled, dtype_code, resolve_group
@@ -387,14 +389,27 @@ class SyncBatchNormFunction(torch.autograd.Function):
                                                                            negative_slope))  # fmt: skip
         ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
         ctx.training, ctx.activation, ctx.negative_slope, ctx.group_name = training, activation, negative_slope, name
-        ctx.has_residual, ctx.layer = residual is not None, layer
+        ctx.has_residual, ctx.layer, ctx.eps = residual is not None, layer, eps
+        if _forward_ad._current_level >= 0:  # forward-mode AD is on: what jvp needs (inputs and statistics only)
+            ctx.for_jvp = (x, weight, bias, mean, invstd, stats, residual)
         return y
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb, tr, *_):
+        layer = Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope, _resolve_name(ctx.group_name))
+        return higher_order.jvp(layer, ctx.eps, *ctx.for_jvp[:6], ctx.for_jvp[6], None, tx, tw, tb, tr)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         need_r = need_r and ctx.has_residual
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True: see higher_order
+            layer = Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope,
+                          _resolve_name(ctx.group_name))  # fmt: skip
+            grads = higher_order.backward(layer, ctx.eps, grad_out, x, weight, bias, mean, invstd, residual, output,
+                                          (need_x, need_w, need_b, need_r))  # fmt: skip
+            return grads + (None,) * 10
         dx, dw, db, dr = torch.ops.tritonbn.batch_norm_backward(
             grad_out, x, weight, bias, mean, invstd, stats, residual, output, ctx.training, ctx.activation,
             ctx.negative_slope, need_x, need_w, need_b, need_r, ctx.group_name, ctx.layer,
@@ -424,7 +439,14 @@ class EagerBatchNormFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, weight, bias, mean, invstd, stats, *_kept_for_backward(y, residual, layer))
         ctx.spec = spec
+        if _forward_ad._current_level >= 0:  # forward-mode AD is on: what jvp needs (inputs and statistics only)
+            ctx.for_jvp = (x, weight, bias, mean, invstd, stats, residual)
         return y
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb, tr, _):
+        layer = ctx.spec[1]
+        return higher_order.jvp(layer, layer.eps, *ctx.for_jvp[:6], ctx.for_jvp[6], None, tx, tw, tb, tr)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -432,6 +454,10 @@ class EagerBatchNormFunction(torch.autograd.Function):
         residual, output = kept or (None, None)
         ops, layer = ctx.spec[:2]
         need_x, need_w, need_b, need_r, _ = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: differentiable recompute (see higher_order)
+            grads = higher_order.backward(layer, layer.eps, grad_out, x, weight, bias, mean, invstd, residual, output,
+                                          (need_x, need_w, need_b, need_r))  # fmt: skip
+            return (*grads, None)
         dx, dw, db, dr = backward_pass(
             ops, layer, grad_out, x, weight, bias, mean, invstd, stats, residual, output, need_x, need_w, need_b,
             need_r,
@@ -547,12 +573,18 @@ def run(
                 "tritonbn.accumulate_stats needs eager calls: it does not work under torch.compile, functorch "
                 "transforms (vmap) or dispatch modes (make_fx)"
             )
+        if not compiling and torch._C._are_functorch_transforms_active():
+            raise RuntimeError(
+                "tritonbn does not support torch.func transforms (vmap, grad, jvp, jacrev, jacfwd, hessian): use "
+                "torch.autograd.grad (create_graph=True for higher orders) and torch.autograd.forward_ad instead, "
+                "or torch.func.functional_call, which runs without a transform"
+            )
         return SyncBatchNormFunction.apply(
             input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, layer.momentum,
             layer.eps, layer.activation, float(layer.negative_slope), group_name(layer.group), layer.name,
         )  # fmt: skip
     ops = ops_for(input)
-    if input_grad or (grad_mode and _params_need_grad(weight, bias, residual)):
+    if input_grad or (grad_mode and _params_need_grad(weight, bias, residual)) or _forward_ad._current_level >= 0:
         spec = (ops, layer, running_mean, running_var, num_batches_tracked, stats_sink)
         return _apply_eager(input, weight, bias, residual, spec)
     return forward_pass(

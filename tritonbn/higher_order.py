@@ -1,0 +1,162 @@
+"""Gradients beyond first order: double backward and forward-mode AD, in differentiable torch ops.
+
+The kernels' backward returns gradients that autograd cannot differentiate again: the saved mean and
+invstd, and the global sums, are constants to it. Under ``create_graph=True`` (the only time
+``torch.is_grad_enabled()`` holds inside a Function's backward) both autograd Functions instead call
+:func:`backward`, which recomputes the normalization from the saved input with torch ops whose
+statistics go through a *differentiable* all-reduce (:class:`AllReduceSum`), and differentiates that
+with ``create_graph=True``. The second-order terms then see the other ranks' data through the global
+sums, as the math requires. Nothing here runs on the first-order path.
+
+Recompute (training), with ``m0`` the saved global mean (identical on every rank, so a safe shift)::
+
+    d = x - m0;  [sum d | sum d^2 | n] -> all_reduce (differentiable)
+    mean = m0 + sum d / n;  var = sum d^2 / n - (sum d / n)^2;  xhat = (d - sum d / n) * rsqrt(var + eps)
+    u = xhat * w + b;  dz = dy * act'(u + residual)
+    dx, dw, db = grad(u, (x, w, b), dz, create_graph=True);  dresidual = dz
+
+In eval the saved mean and invstd (the running statistics) are constants, as in torch. The running
+statistics are never touched here: they advanced once, in the forward.
+
+Forward mode (:func:`jvp`): with ``xhat`` over the global batch of ``n`` per channel,
+
+    d xhat = invstd * (dx - mean(dx)) - xhat * invstd * mean(xhat * dx)
+
+where the two means run over the global batch (one all-reduce of ``[sum dx | sum xhat*dx]``);
+``du = d xhat * w + xhat * dw + db``, ``dz = du + d residual`` and ``dy = act'(z) * dz``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class AllReduceSum(torch.autograd.Function):
+    """``all_reduce(SUM)`` as an autograd Function: its backward is the same all-reduce of the gradient.
+
+    Every rank's loss depends on every rank's input through the sum, so the gradient of the summed
+    loss is the sum of the ranks' upstream gradients. The backward calls this Function again, so it
+    is differentiable to any order.
+    """
+
+    @staticmethod
+    def forward(ctx, buffer, group):
+        ctx.group = group
+        out = buffer.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllReduceSum.apply(grad, ctx.group), None
+
+
+def _reduce(buffer: torch.Tensor, group) -> torch.Tensor:
+    return buffer if group is None else AllReduceSum.apply(buffer, group)
+
+
+def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return v.reshape(1, -1, *([1] * (x.dim() - 2)))
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _normalized(x, mean, invstd, training, eps, group):
+    """``xhat`` in the compute dtype, differentiable in ``x`` through the global statistics in training."""
+    acc = _acc(x)
+    xa = x.to(acc)
+    if not training:
+        return (xa - _per_channel(mean.to(acc), x)) * _per_channel(invstd.to(acc), x)
+    C = x.shape[1]
+    dims = [0, *range(2, x.dim())]
+    d = xa - _per_channel(mean.detach().to(acc), x)
+    n_local = d.new_full((1,), x.numel() // C if C else 0)
+    sums = _reduce(torch.cat([d.sum(dims), (d * d).sum(dims), n_local]), group)
+    n = sums[2 * C].clamp_min(1.0)
+    shift = sums[:C] / n
+    var = (sums[C : 2 * C] / n - shift * shift).clamp_min(0.0)
+    return (d - _per_channel(shift, x)) * _per_channel(torch.rsqrt(var + eps), x)
+
+
+def _affine(xhat, x, weight, bias):
+    u = xhat * _per_channel(weight.to(xhat.dtype), x) if weight is not None else xhat
+    return u + _per_channel(bias.to(xhat.dtype), x) if bias is not None else u
+
+
+def _act_grad(g, z, activation, slope, output):
+    """``g * act'(z)``; ``z > 0`` read from ``output`` when the residual was not kept (relu, leaky slope >= 0)."""
+    if activation is None:
+        return g
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return g * s * (1.0 + z * (1.0 - s))
+    positive = output > 0 if output is not None else z > 0
+    if activation == "relu":
+        return torch.where(positive, g, torch.zeros_like(g))
+    return torch.where(positive, g, g * slope)
+
+
+def backward(layer, eps, grad_out, x, weight, bias, mean, invstd, residual, output, needs):
+    """``(dx, dweight, dbias, dresidual)`` as differentiable functions of the inputs and ``grad_out``.
+
+    ``needs`` is ``(input, weight, bias, residual)`` from ``ctx.needs_input_grad``; what is not
+    needed is ``None``. ``output`` replaces ``residual`` for the sign of ``z`` (see
+    :mod:`tritonbn.functional`); relu's and leaky_relu's second derivative is zero, so the sign is
+    all the double backward needs from it.
+    """
+    need_x, need_w, need_b, need_r = needs
+    group = layer.group if layer.training else None
+    xhat = _normalized(x, mean, invstd, layer.training, eps, group)
+    u = _affine(xhat, x, weight, bias)
+    z = u
+    if layer.activation is not None and output is None and residual is not None:
+        z = u + residual.to(u.dtype)
+    dz = _act_grad(grad_out.to(u.dtype), z, layer.activation, layer.negative_slope, output)
+    wanted = [t for t, need in ((x, need_x), (weight, need_w), (bias, need_b)) if need]
+    grads = iter(torch.autograd.grad(u, wanted, dz, create_graph=True, allow_unused=True) if wanted else ())
+    out = []
+    for t, need in ((x, need_x), (weight, need_w), (bias, need_b)):
+        g = next(grads) if need else None
+        out.append(torch.zeros_like(t) if need and g is None else g)
+    out.append(dz.to(residual.dtype if residual is not None else x.dtype) if need_r else None)
+    return tuple(out)
+
+
+def jvp(layer, eps, x, weight, bias, mean, invstd, stats, residual, output, tx, tw, tb, tr):
+    """The tangent of ``y`` for the tangents ``tx, tw, tb, tr`` of ``x, weight, bias, residual`` (``None``: zero)."""
+    acc = _acc(x)
+    xa = x.to(acc)
+    xhat = (xa - _per_channel(mean.to(acc), x)) * _per_channel(invstd.to(acc), x)
+    inv = _per_channel(invstd.to(acc), x)
+    C = x.shape[1]
+    dims = [0, *range(2, x.dim())]
+    t = None
+    if tx is not None:
+        tx = tx.to(acc)
+        if layer.training:
+            sums = torch.cat([tx.sum(dims), (xhat * tx).sum(dims)])
+            if layer.group is not None:
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=layer.group)
+            n = stats[-1].clamp_min(1.0).to(acc)
+            t = inv * (tx - _per_channel(sums[:C] / n, x)) - xhat * inv * _per_channel(sums[C:] / n, x)
+        else:
+            t = inv * tx
+        if weight is not None:
+            t = t * _per_channel(weight.to(acc), x)
+    if tw is not None:
+        t = xhat * _per_channel(tw.to(acc), x) if t is None else t + xhat * _per_channel(tw.to(acc), x)
+    if tb is not None:
+        t = _per_channel(tb.to(acc), x) if t is None else t + _per_channel(tb.to(acc), x)
+    if tr is not None:
+        t = tr.to(acc) if t is None else t + tr.to(acc)
+    if t is None:
+        t = torch.zeros((), dtype=acc, device=x.device)
+    if layer.activation is not None:
+        z = _affine(xhat, x, weight, bias)
+        if output is None and residual is not None:
+            z = z + residual.to(acc)
+        t = _act_grad(t, z, layer.activation, layer.negative_slope, output)
+    return torch.empty_like(x).copy_(t.expand(x.shape))
