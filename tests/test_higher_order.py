@@ -151,9 +151,12 @@ def test_penalty_matches_torch_and_first_order(backend_name, custom_ops, activat
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("params_grad", [True, False])
-def test_forward_ad_matches_torch(backend_name, training, params_grad):
+@pytest.mark.parametrize("custom_ops", [False, True], ids=["eager", "custom-ops"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("params_grad", [True, False], ids=["params-grad", "no-grad"])
+def test_forward_ad_matches_torch(backend_name, training, params_grad, custom_ops, monkeypatch):
+    if custom_ops:
+        monkeypatch.setattr(functional, "_eager", lambda x: False)
     g = torch.Generator().manual_seed(4)
     shape = (3, 2, 5)
     x = torch.randn(shape, generator=g, dtype=torch.float64) * 3 - 1

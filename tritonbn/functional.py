@@ -395,11 +395,6 @@ class SyncBatchNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    def jvp(ctx, tx, tw, tb, tr, *_):
-        layer = Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope, _resolve_name(ctx.group_name))
-        return higher_order.jvp(layer, ctx.eps, *ctx.for_jvp[:6], ctx.for_jvp[6], None, tx, tw, tb, tr)
-
-    @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
@@ -416,6 +411,19 @@ class SyncBatchNormFunction(torch.autograd.Function):
         )  # fmt: skip
         grads = (dx if need_x else None, dw if need_w else None, db if need_b else None, dr if need_r else None)
         return grads + (None,) * 10
+
+
+class SyncBatchNormFunctionForwardAD(SyncBatchNormFunction):
+    """:class:`SyncBatchNormFunction` with a ``jvp``, for forward-mode AD outside ``torch.compile``.
+
+    Dynamo refuses to trace a Function that defines ``jvp``, so only uncompiled calls made while a
+    forward-AD level is active (tensor subclasses, dispatch modes) take this one.
+    """
+
+    @staticmethod
+    def jvp(ctx, tx, tw, tb, tr, *_):
+        layer = Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope, _resolve_name(ctx.group_name))
+        return higher_order.jvp(layer, ctx.eps, *ctx.for_jvp[:6], ctx.for_jvp[6], None, tx, tw, tb, tr)
 
 
 # --- The eager path: an autograd Function straight over the launchers, no custom-op dispatch. ---------
@@ -579,7 +587,10 @@ def run(
                 "torch.autograd.grad (create_graph=True for higher orders) and torch.autograd.forward_ad instead, "
                 "or torch.func.functional_call, which runs without a transform"
             )
-        return SyncBatchNormFunction.apply(
+        function = SyncBatchNormFunction
+        if not compiling and _forward_ad._current_level >= 0:
+            function = SyncBatchNormFunctionForwardAD
+        return function.apply(
             input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, layer.momentum,
             layer.eps, layer.activation, float(layer.negative_slope), group_name(layer.group), layer.name,
         )  # fmt: skip
