@@ -258,3 +258,24 @@ def test_penalty_two_ranks(backend):
     with fwAD.dual_level():
         want = fwAD.unpack_dual(F.batch_norm(fwAD.make_dual(x, tx), None, None, w0, b0, True)).tangent
     torch.testing.assert_close(torch.cat([rk["tangent"] for rk in ranks]), want, rtol=1e-10, atol=1e-10)
+
+
+def test_forward_ad_under_compile(monkeypatch):
+    """Compiled, a forward-AD call breaks the graph and runs eagerly (torch's tangent); fullgraph names tritonbn."""
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    x, tx = (
+        torch.randn((4, 3, 2), generator=g, dtype=torch.float64),
+        torch.randn((4, 3, 2), generator=g, dtype=torch.float64),
+    )
+    bn = tritonbn.SyncBatchNorm(3).double()
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(torch.compile(bn, backend="aot_eager")(fwAD.make_dual(x, tx))).tangent
+        want = fwAD.unpack_dual(F.batch_norm(fwAD.make_dual(x, tx), None, None, bn.weight, bn.bias, True)).tangent
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert bn.num_batches_tracked.item() == 1
+    torch._dynamo.reset()
+    with fwAD.dual_level(), pytest.raises(Exception, match="tritonbn does not support forward-mode AD"):
+        torch.compile(bn, backend="aot_eager", fullgraph=True)(fwAD.make_dual(x, tx))
+    torch._dynamo.reset()

@@ -588,7 +588,12 @@ def run(
                 "or torch.func.functional_call, which runs without a transform"
             )
         function = SyncBatchNormFunction
-        if not compiling and _forward_ad._current_level >= 0:
+        if _forward_ad._current_level >= 0:
+            if compiling:
+                raise RuntimeError(
+                    "tritonbn does not support forward-mode AD (torch.autograd.forward_ad) under torch.compile: "
+                    "call the layer uncompiled"
+                )
             function = SyncBatchNormFunctionForwardAD
         return function.apply(
             input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, layer.momentum,
