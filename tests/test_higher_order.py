@@ -187,13 +187,17 @@ def test_forward_ad_matches_torch(backend_name, training, params_grad, custom_op
 
 # --- Across ranks: a gradient penalty and a tangent over 2 gloo ranks against one process. ---
 
-SIZES = [3, 2]  # uneven slices of one global batch
+CASES = {  # name: (per-rank N of one global batch, fused activation with a residual)
+    "uneven": ([3, 2], None),
+    "uneven-silu-residual": ([3, 2], "silu"),
+    "empty-rank": ([5, 0], None),
+}
 TAIL = (3, 2, 2)
 
 
-def _global():
+def _global(sizes):
     g = torch.Generator().manual_seed(11)
-    n = sum(SIZES)
+    n = sum(sizes)
     x = torch.randn((n, *TAIL), generator=g, dtype=torch.float64) * 1.5 + 0.5
     dy = torch.randn((n, *TAIL), generator=g, dtype=torch.float64)
     r = torch.randn((n, *TAIL), generator=g, dtype=torch.float64)
@@ -203,15 +207,15 @@ def _global():
     return x, dy, r, tx, w, b
 
 
-def _slice(t, rank):
-    start = sum(SIZES[:rank])
-    return t[start : start + SIZES[rank]]
+def _slice(t, rank, sizes):
+    start = sum(sizes[:rank])
+    return t[start : start + sizes[rank]]
 
 
 def _rank_penalty(rank, world, out_dir):
-    x, dy, r, tx, w0, b0 = (_slice(t, rank) if t.dim() > 1 else t for t in _global())
     result = {}
-    for activation in (None, "silu"):
+    for name, (sizes, activation) in CASES.items():
+        x, dy, r, tx, w0, b0 = (_slice(t, rank, sizes) if t.dim() > 1 else t for t in _global(sizes))
         xr, w, b, rr = (t.clone().requires_grad_() for t in (x, w0, b0, r))
         rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
         nbt = torch.zeros((), dtype=torch.long)
@@ -222,21 +226,24 @@ def _rank_penalty(rank, world, out_dir):
                                             activation=activation)  # fmt: skip
 
         g, xg, (wg, bg, rg) = _penalty(fn, xr, [w, b, rr], dy)
-        result[activation] = dict(g=g, x=xg, w=wg, b=bg, r=rg, rm=rm, rv=rv, nbt=nbt.item())
-    with fwAD.dual_level():
-        y = tritonbn.sync_batch_norm(fwAD.make_dual(x, tx), None, None, w0, b0, True)
-        result["tangent"] = fwAD.unpack_dual(y).tangent
+        result[name] = dict(g=g, x=xg, w=wg, b=bg, r=rg, rm=rm, rv=rv, nbt=nbt.item())
+        res = rr.detach() if activation else None
+        with fwAD.dual_level():
+            y = tritonbn.sync_batch_norm(fwAD.make_dual(x, tx), None, None, w0, b0, True, residual=res,
+                                         activation=activation)  # fmt: skip
+            result[name]["tangent"] = fwAD.unpack_dual(y).tangent
     save_rank(out_dir, rank, result)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_penalty_two_ranks(backend):
+    """Every rank's x.grad (and residual grad), the summed weight and bias grads, buffers and tangents."""
     with tempfile.TemporaryDirectory() as out_dir, backend_env(backend):
         spawn(2, _rank_penalty, out_dir)
         ranks = load_ranks(out_dir, 2)
-    x, dy, r, tx, w0, b0 = _global()
-    for activation in (None, "silu"):
+    for name, (sizes, activation) in CASES.items():
+        x, dy, r, tx, w0, b0 = _global(sizes)
         xo, wo, bo, ro = (t.clone().requires_grad_() for t in (x, w0, b0, r))
         rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
 
@@ -244,7 +251,7 @@ def test_penalty_two_ranks(backend):
             return _act(F.batch_norm(xi, rm, rv, wo, bo, True, 0.1, EPS) + (ro if activation else 0), activation)
 
         g, xg, (wg, bg, rg) = _penalty(oracle, xo, [wo, bo, ro], dy)
-        got = [rk[activation] for rk in ranks]
+        got = [rk[name] for rk in ranks]
         torch.testing.assert_close(torch.cat([k["g"] for k in got]), g, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(torch.cat([k["x"] for k in got]), xg, rtol=1e-9, atol=1e-9)
         _close(sum(k["w"] for k in got), wg, 1e-9)
@@ -255,9 +262,12 @@ def test_penalty_two_ranks(backend):
             torch.testing.assert_close(k["rm"], rm, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(k["rv"], rv, rtol=1e-12, atol=1e-12)
             assert k["nbt"] == 1
-    with fwAD.dual_level():
-        want = fwAD.unpack_dual(F.batch_norm(fwAD.make_dual(x, tx), None, None, w0, b0, True)).tangent
-    torch.testing.assert_close(torch.cat([rk["tangent"] for rk in ranks]), want, rtol=1e-10, atol=1e-10)
+        with fwAD.dual_level():
+            y = _act(
+                F.batch_norm(fwAD.make_dual(x, tx), None, None, w0, b0, True) + (r if activation else 0), activation
+            )
+            want = fwAD.unpack_dual(y).tangent
+        torch.testing.assert_close(torch.cat([k["tangent"] for k in got]), want, rtol=1e-10, atol=1e-10)
 
 
 def test_forward_ad_under_compile(monkeypatch):
