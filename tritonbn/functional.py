@@ -40,6 +40,11 @@ What they need for ``act'(z)`` decides what is saved:
 
 In eval (running statistics) mean and invstd are constants: ``dx = w * invstd * dz``, and nothing
 communicates.
+
+Gradients beyond first order go through :mod:`tritonbn.higher_order`: under ``create_graph=True``
+(``torch.is_grad_enabled()`` inside backward) both Functions' backward recompute the gradients with
+differentiable torch ops and a differentiable all-reduce instead of the launchers, and forward-mode
+AD uses their ``jvp``. The first-order path does none of this.
 """
 
 from __future__ import annotations
