@@ -269,7 +269,7 @@ _launches = launch_cache()
 def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind) -> Launch:
     """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
-    C, R = layout.C, layout.r_progs
+    R = layout.r_progs
     constexprs = dict(
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
