@@ -167,24 +167,25 @@ def take_ticket(ticket_ptr):
 def merge_rows(part_ptr, R, start, count, C, cols, c_mask, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Rows ``[start, start + count)`` of ``(2, R, C)`` partials summed in a fixed order, in fp64: ``(sum0, sum1)``.
 
-    The partials of other programs are read with volatile loads (from L2, never a stale L1 line).
-    Each step issues the next ``[BLOCK_R, BLOCK_C]`` tile's loads before adding the current one.
+    The partials of other programs are read from L2 (``.cg``: never a stale L1 line; the ticket's
+    acq_rel atomic ordered their stores before). Each step issues the next ``[BLOCK_R, BLOCK_C]``
+    tile's loads before adding the current one.
     """
     rows = tl.arange(0, BLOCK_R)
     end = start + count
     r = start + rows
     pmask = (r < end)[:, None] & c_mask[None, :]
     poffs = r[:, None] * C + cols[None, :]
-    a0 = tl.load(part_ptr + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
-    a1 = tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
+    a0 = tl.load(part_ptr + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
+    a1 = tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
     m0 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
     m1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
     for r0 in range(start + BLOCK_R, end + BLOCK_R, BLOCK_R):
         r = r0 + rows
         pmask = (r < end)[:, None] & c_mask[None, :]
         poffs = r[:, None] * C + cols[None, :]
-        n0 = tl.load(part_ptr + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
-        n1 = tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
+        n0 = tl.load(part_ptr + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
+        n1 = tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
         m0 += a0
         m1 += a1
         a0 = n0

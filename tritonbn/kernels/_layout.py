@@ -39,7 +39,10 @@ import torch
 _GPU_TILE = 2048
 _CPU_TILE = 4096
 _CPU_PROGRAMS = 4
-_MERGE_TILE = 2048  # elements of the [BLOCK_R, BLOCK_C] tile the last program merges partials with
+# Elements of the [BLOCK_R, BLOCK_C] tile a merge reads at a time. The merge loop holds two such tiles
+# (current and prefetched) of fp64: 1024 keeps the reducing kernels at <= 80 registers (24 warps per SM);
+# 2048 took them to 98 (16 warps), which the main loop pays for (see benchmarks/kernel_audit.py).
+_MERGE_TILE = 1024
 _PROGRAMS_PER_SM = 4
 # Up to this many programs per channel block, the last one merges all their partials (one level);
 # past it the merge is two-level, in groups of about sqrt(programs) (see _common.merge_tree).
