@@ -492,8 +492,9 @@ def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, tar
     merges = merge_loops(insns, loops, fn)
     return {
         "merge_loops": len(merges),
-        "tail_round_trips": max((round_trips([i for i in insns[a : b + 1] if i.base != "NOP"]) for a, b in merges),
-                                default=None),  # fmt: skip
+        "tail_round_trips": max(
+            (round_trips([i for i in insns[a : b + 1] if i.base != "NOP"]) for a, b in merges), default=None
+        ),  # fmt: skip
         "registers": ptxas["registers"],
         "spill_bytes": spill_stores + spill_loads,
         "spill_store_bytes": spill_stores,
@@ -542,7 +543,6 @@ def audit(shapes, dtypes, layouts, target, log=print) -> tuple[list[dict], int]:
                             "constexprs": {n: _plain(v) for n, v in named.items() if not n.startswith("BLOCK")},
                             **cache[key],
                             **tail_metrics(launch),
-                            
                         })  # fmt: skip
                 n = sum(len(v) for v in passes.values())
                 log(f"  {'x'.join(map(str, shape))} {dtype_name} {layout}: {n} launches, {len(cache)} compilations")
@@ -744,28 +744,43 @@ def self_check(target) -> dict:
     return results
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The time model (--model): a model, not a measurement
 # ----------------------------------------------------------------------------------------------
 
 # Every constant of the model, with where it comes from. None of them was measured here (no GPU).
 ASSUMPTIONS = {
-    "hbm_copy_bw": (4.3e12, "B/s: HBM bandwidth a copy reaches on an H200, assumed ~90% of NVIDIA's published "
-                    "4.8 TB/s HBM3e peak (H200 SXM product brief); the issue's 1.32 ms floor uses the same figure. "
-                    "Replace it with the copy bandwidth the GPU check measures"),
+    "hbm_copy_bw": (
+        4.3e12,
+        "B/s: HBM bandwidth a copy reaches on an H200, assumed ~90% of NVIDIA's published "
+        "4.8 TB/s HBM3e peak (H200 SXM product brief); the issue's 1.32 ms floor uses the same figure. "
+        "Replace it with the copy bandwidth the GPU check measures",
+    ),
     "sms": (132, "SMs of an H200 SXM (NVIDIA specification)"),
     "clock_hz": (1.98e9, "Hz: H200 SXM maximum boost clock (NVIDIA specification)"),
-    "issue_per_sm_clock": (4, "warp instructions issued per SM per clock: 4 schedulers, one each (NVIDIA Hopper "
-                           "architecture whitepaper)"),
-    "dram_latency_s": (800e-9, "s: latency of a global load under load, for Little's law; assumed (microbenchmark "
-                       "studies of H100 report ~500-600 ns unloaded, more under load); not measured here"),
-    "merge_bw_per_sm": (150e9, "B/s: what one SM reads from L2 in the merge tail, the issue's middle figure "
-                        "(it brackets 100-250 GB/s); assumed"),
-    "merge_level_s": (0.5e-6, "s: per merge level, a barrier, an atomic at L2 and the dependent volatile load of "
-                      "the first rows: about two L2 round trips; assumed"),
-    "launch_fixed_s": (1.0e-6, "s: per launch, the gap between back-to-back kernels on a stream plus the ramp "
-                       "and drain of the grid; assumed"),
+    "issue_per_sm_clock": (
+        4,
+        "warp instructions issued per SM per clock: 4 schedulers, one each (NVIDIA Hopper architecture whitepaper)",
+    ),
+    "dram_latency_s": (
+        800e-9,
+        "s: latency of a global load under load, for Little's law; assumed (microbenchmark "
+        "studies of H100 report ~500-600 ns unloaded, more under load); not measured here",
+    ),
+    "merge_bw_per_sm": (
+        150e9,
+        "B/s: what one SM reads from L2 in the merge tail, the issue's middle figure "
+        "(it brackets 100-250 GB/s); assumed",
+    ),
+    "merge_level_s": (
+        0.5e-6,
+        "s: per merge level, a barrier, an atomic at L2 and the dependent load of "
+        "the first rows: about two L2 round trips; assumed",
+    ),
+    "launch_fixed_s": (
+        1.0e-6,
+        "s: per launch, the gap between back-to-back kernels on a stream plus the ramp and drain of the grid; assumed",
+    ),
 }
 # Activation-sized tensors each kernel reads and writes (the plain module: no residual, no activation).
 KERNEL_TENSORS = {
@@ -882,8 +897,11 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
     parser.add_argument("--model", action="store_true", help="also model each launch and the training step: model.json")
     parser.add_argument("--sm-count", type=int, default=132, help="plan launches as on a GPU with this many SMs")
-    parser.add_argument("--flat-merge", action="store_true",
-                        help="one-level merge (every program's partials merged by the last one): shows the tail rule fail")
+    parser.add_argument(
+        "--flat-merge",
+        action="store_true",
+        help="one-level merge (the last program merges every partial): the tail rule then fails",
+    )
     parser.add_argument("--case", help="one shape, dtype and layout only, e.g. 32x256x14x14,bf16,channels_last")
     args = parser.parse_args(argv)
     why = tools_missing()
