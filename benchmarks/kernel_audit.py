@@ -1,6 +1,7 @@
 """Kernel audit: the sm_90 code of every kernel launch tritonbn makes for ResNet-50, read without a GPU.
 
     python benchmarks/kernel_audit.py --out DIR [--quick] [--results benchmarks/RESULTS.md]
+    python benchmarks/kernel_audit.py --out DIR --model          # also the time model: DIR/model.json
     python benchmarks/kernel_audit.py --self-check     # the round-trip counter on two toy kernels
 
 **Launches.** ``tritonbn.SyncBatchNorm`` runs its real module path on CPU tensors of each shape
@@ -36,6 +37,17 @@ and for the **main loop**:
 * ``sass_per_element``: instructions in the loop body / elements per thread per iteration, the
   tile (``BLOCK_C * BLOCK_I``; ``BLOCK_I`` for a grouped plan, ``PLANE > 0``, whose tile is one row;
   else the product of the ``BLOCK_*`` constexprs) over num_warps * 32.
+
+and, for the kernels that merge per-program partials after their main loop (statistics, backward
+reduction), **the merge tail**: ``tail_bytes``, ``tail_rows``, ``tail_iterations`` and ``tail_levels``
+of the longest serial chain of merges after the main loops end (from the launch's ``R``, ``G`` and
+``BLOCK_R``, see :func:`tail_metrics`), and ``tail_round_trips``: the round trips per iteration, counted
+as above, of the SASS loops whose line info falls on the ``merge_tree`` call (``merge_loops`` of them).
+
+**Model** (``--model``): a time model of each launch and of a ResNet-50 training step's BatchNorms,
+written to ``DIR/model.json`` and printed with its assumptions (:data:`ASSUMPTIONS`, each with its
+source); see :func:`model_launch`. ``--case``, ``--sm-count`` and ``--flat-merge`` audit one case, plan
+for another SM count, and make the merge one-level (to show that the tail rule catches it).
 """
 
 from __future__ import annotations
@@ -764,8 +776,8 @@ ASSUMPTIONS = {
     ),
     "dram_latency_s": (
         800e-9,
-        "s: latency of a global load under load, for Little's law; assumed (microbenchmark "
-        "studies of H100 report ~500-600 ns unloaded, more under load); not measured here",
+        "s: latency of a global load from HBM under load, for Little's law; an assumed round figure "
+        "(several hundred ns is the usual range for HBM GPUs), not measured or verified here",
     ),
     "merge_bw_per_sm": (
         150e9,
@@ -842,6 +854,9 @@ def model(rows: list[dict], layer_counts: dict[str, int]) -> dict:
             if not step:
                 continue
             total = sum(layer_counts[m["shape"]] * m["modeled_us"] for m in step)
+            main = sum(layer_counts[m["shape"]] * (m["modeled_us"] - m["tail_us"] - m["fixed_us"]) for m in step)
+            all_tails = sum(layer_counts[m["shape"]] * m["tail_us"] for m in step)
+            fixed = sum(layer_counts[m["shape"]] * m["fixed_us"] for m in step)
             tails = sum(layer_counts[m["shape"]] * m["tail_bytes_us"] for m in step)
             shapes = {m["shape"] for m in step}
             floor = sum(layer_counts[s] * FLOOR_TENSORS * math.prod(map(int, s.split("x"))) * ITEMSIZE[dtype]
@@ -849,7 +864,9 @@ def model(rows: list[dict], layer_counts: dict[str, int]) -> dict:
             whole.append({"dtype": dtype, "layout": layout, "layers": sum(layer_counts[s] for s in shapes),
                           "modeled_ms": round(total / 1e3, 4), "floor_ms": round(floor / 1e3, 4),
                           "ratio": round(total / floor, 3), "tails_ms": round(tails / 1e3, 4),
-                          "tails_of_floor": round(tails / floor, 4)})  # fmt: skip
+                          "tails_of_floor": round(tails / floor, 4), "main_ms": round(main / 1e3, 4),
+                          "tail_with_levels_ms": round(all_tails / 1e3, 4),
+                          "fixed_ms": round(fixed / 1e3, 4)})  # fmt: skip
     layers = {}
     for m in launches:
         if m["mode"] in STEP_MODES:
@@ -874,14 +891,18 @@ def model_markdown(m: dict, quick: bool) -> str:
         "every BatchNorm layer (each shape weighted by its count), against the HBM floor (8 activation-sized "
         "tensors per layer at the assumed copy bandwidth). Per launch: the larger of HBM bytes at the copy "
         "bandwidth, SASS issue and a Little's-law bound from the bytes in flight, plus the merge tail and a "
-        "fixed cost. Tails: the merge tails' bytes at one SM's bandwidth, the issue's measure.",
+        "fixed cost. Merge tails: their bytes at one SM's bandwidth (the issue's measure); main loops: the "
+        "larger of the three bounds, summed; tails with levels: the tails' bytes plus each merge level's "
+        "latency; fixed: the per-launch cost.",
         "",
-        "| dtype | layout | layers | modeled ms | HBM floor ms | modeled / floor | merge tails ms | tails / floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dtype | layout | layers | modeled ms | HBM floor ms | modeled / floor | merge tails ms | tails / floor "
+        "| main loops ms | tails with levels ms | fixed ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in m["whole_model"]:
         lines.append(f"| {w['dtype']} | {w['layout']} | {w['layers']} | {w['modeled_ms']:.3f} | {w['floor_ms']:.3f} "
-                     f"| {w['ratio']:.2f}x | {w['tails_ms']:.4f} | {100 * w['tails_of_floor']:.1f}% |")  # fmt: skip
+                     f"| {w['ratio']:.2f}x | {w['tails_ms']:.4f} | {100 * w['tails_of_floor']:.1f}% "
+                     f"| {w['main_ms']:.3f} | {w['tail_with_levels_ms']:.3f} | {w['fixed_ms']:.3f} |")  # fmt: skip
     lines += ["", "Assumptions (none measured here):", ""]
     for k, a in m["assumptions"].items():
         lines.append(f"- `{k}` = {a['value']:g}: {a['source']}.")
