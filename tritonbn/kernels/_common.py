@@ -181,11 +181,11 @@ def merge_rows(part_ptr, R, start, count, C, cols, c_mask, BLOCK_R: tl.constexpr
     m0 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
     m1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
     for r0 in range(start + BLOCK_R, end + BLOCK_R, BLOCK_R):
-        r = r0 + rows
-        pmask = (r < end)[:, None] & c_mask[None, :]
-        poffs = r[:, None] * C + cols[None, :]
-        n0 = tl.load(part_ptr + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
-        n1 = tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
+        r_next = r0 + rows  # not `r`: a loop-carried name must keep its type, and r0 may be wider
+        nmask = (r_next < end)[:, None] & c_mask[None, :]
+        noffs = r_next[:, None] * C + cols[None, :]
+        n0 = tl.load(part_ptr + noffs, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float64)
+        n1 = tl.load(part_ptr + R * C + noffs, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float64)
         m0 += a0
         m1 += a1
         a0 = n0
