@@ -3,9 +3,9 @@
 The kernel runs on the same ``(channel blocks, reduction chunks)`` grid as the forward. Each program
 sums, per lane, ``dz`` and ``dz * (x - mean_hi)``, where ``dz = dy * act'(z)`` is the gradient before
 a fused activation (``dz = dy`` without one): two loads, one subtract, one add and one fused
-multiply-add per element. It merges its lanes and writes one partial per channel; the program that
-draws the last ticket (see :mod:`tritonbn.kernels._common`) adds the partials in a fixed order, in
-fp64, and writes the packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
+multiply-add per element. It merges its lanes and writes one partial per channel; the partials are
+added in a fixed order, in fp64, in two levels past 16 programs (see
+:func:`tritonbn.kernels._common.merge_tree`), and the program left holding the sums writes the packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
 
     sum_dz_xhat = (sum(dz * (x - mean_hi)) - mean_lo * sum_dz) * invstd,
 
