@@ -5,7 +5,8 @@ sums, per lane, ``dz`` and ``dz * (x - mean_hi)``, where ``dz = dy * act'(z)`` i
 a fused activation (``dz = dy`` without one): two loads, one subtract, one add and one fused
 multiply-add per element. It merges its lanes and writes one partial per channel; the partials are
 added in a fixed order, in fp64, in two levels past 16 programs (see
-:func:`tritonbn.kernels._common.merge_tree`), and the program left holding the sums writes the packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
+:func:`tritonbn.kernels._common.merge_tree`), and the program left holding the sums writes the
+packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
 
     sum_dz_xhat = (sum(dz * (x - mean_hi)) - mean_lo * sum_dz) * invstd,
 

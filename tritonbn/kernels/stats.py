@@ -10,7 +10,8 @@ in fp32 (fp64 for float64 inputs): one subtract, one add and one fused multiply-
 The shift keeps the sums small when ``|mean| >> std``, so ``var = S2/n - (S1/n)^2`` does not cancel.
 Each program merges its lanes in fp64 and writes one partial per channel; the partials are added in
 a fixed order, in two levels past 16 programs (see :func:`tritonbn.kernels._common.merge_tree`), and
-the one program left holding the sums removes the shift in fp64, and writes the packed, sum-combinable buffer of ``2C + 1`` float64::
+the one program left holding the sums removes the shift in fp64, and writes the packed,
+sum-combinable buffer of ``2C + 1`` float64::
 
     stats[:C]   = sum(x)   = S1 + n p
     stats[C:2C] = sum(x^2) = S2 + 2 p S1 + n p^2
