@@ -1,6 +1,7 @@
 """Kernel audit: the sm_90 code of every kernel launch tritonbn makes for ResNet-50, read without a GPU.
 
     python benchmarks/kernel_audit.py --out DIR [--quick] [--results benchmarks/RESULTS.md]
+    python benchmarks/kernel_audit.py --out DIR --model          # also the time model: DIR/model.json
     python benchmarks/kernel_audit.py --self-check     # the round-trip counter on two toy kernels
 
 **Launches.** ``tritonbn.SyncBatchNorm`` runs its real module path on CPU tensors of each shape
@@ -36,6 +37,17 @@ and for the **main loop**:
 * ``sass_per_element``: instructions in the loop body / elements per thread per iteration, the
   tile (``BLOCK_C * BLOCK_I``; ``BLOCK_I`` for a grouped plan, ``PLANE > 0``, whose tile is one row;
   else the product of the ``BLOCK_*`` constexprs) over num_warps * 32.
+
+and, for the kernels that merge per-program partials after their main loop (statistics, backward
+reduction), **the merge tail**: ``tail_bytes``, ``tail_rows``, ``tail_iterations`` and ``tail_levels``
+of the longest serial chain of merges after the main loops end (from the launch's ``R``, ``G`` and
+``BLOCK_R``, see :func:`tail_metrics`), and ``tail_round_trips``: the round trips per iteration, counted
+as above, of the SASS loops whose line info falls on the ``merge_tree`` call (``merge_loops`` of them).
+
+**Model** (``--model``): a time model of each launch and of a ResNet-50 training step's BatchNorms,
+written to ``DIR/model.json`` and printed with its assumptions (:data:`ASSUMPTIONS`, each with its
+source); see :func:`model_launch`. ``--case``, ``--sm-count`` and ``--flat-merge`` audit one case, plan
+for another SM count, and make the merge one-level (to show that the tail rule catches it).
 """
 
 from __future__ import annotations
@@ -82,6 +94,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("contiguous", "channels_last")
 QUICK_SHAPES = [(32, 256, 14, 14), (32, 2048, 7, 7)]  # 14^2 and 7^2: the NCHW alignment cases
 MAX_REGISTERS = 128
+SM_COUNT = 132  # launches are planned as on a GPU with this many SMs (--sm-count)
+MERGE_FN = "merge_tree"  # tritonbn.kernels._common: the merge of the per-program partials after the main loop
 GLOBAL_LOADS = ("LDG", "LD", "LDGSTS", "UTMALDG")
 GLOBAL_STORES = ("STG", "ST")
 
@@ -115,6 +129,7 @@ class Launch:
     constexprs: dict
     attrs: dict
     options: dict
+    scalars: dict = dataclasses.field(default_factory=dict)  # the integer arguments, by name (R, G, C, ...)
 
     @property
     def name(self) -> str:
@@ -151,7 +166,9 @@ def captured_launches(target: GPUTarget):
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
         if callable(grid):
             grid = grid(bound_args)
-        launches.append(Launch(self, tuple(int(g) for g in grid), signature, constexprs, attrs, dict(options.__dict__)))
+        scalars = {k: v for k, v in bound_args.items() if isinstance(v, int) and not isinstance(v, bool)}
+        launches.append(Launch(self, tuple(int(g) for g in grid), signature, constexprs, attrs, dict(options.__dict__),
+                               scalars))  # fmt: skip
         return None
 
     JITFunction.run = record
@@ -181,7 +198,7 @@ def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget):
 
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     out = {}
-    with triton_backend_on_cpu(), planned_as("cuda", 132), captured_launches(target) as launches:
+    with triton_backend_on_cpu(), planned_as("cuda", SM_COUNT), captured_launches(target) as launches:
         bn = tritonbn.SyncBatchNorm(shape[1])  # fp32 parameters, as under autocast
         x = torch.empty(shape, dtype=dtype, memory_format=memory_format).requires_grad_()
         y = bn(x)
@@ -355,6 +372,40 @@ def main_loop(insns: list[Insn], loops: list[tuple[int, int]], fn: JITFunction |
     return max(candidates, key=lambda lp: (loads(lp), lp[1] - lp[0]))
 
 
+def merge_call_lines(fn: JITFunction) -> list[range]:
+    """Source line ranges of the kernel-body statements that call ``merge_tree`` (the merge after the main loop)."""
+    try:
+        src_lines, start = inspect.getsourcelines(fn.fn)
+    except (OSError, TypeError):
+        return []
+    tree = ast.parse(textwrap.dedent("".join(src_lines)))
+    func = next((n for n in tree.body if isinstance(n, ast.FunctionDef)), None)
+    if func is None:
+        return []
+    out = []
+    for node in func.body:
+        calls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+        if any(c.func.id == MERGE_FN for c in calls):
+            out.append(range(start + node.lineno - 1, start + node.end_lineno))
+    return out
+
+
+def merge_loops(insns: list[Insn], loops: list[tuple[int, int]], fn: JITFunction | None) -> list[tuple[int, int]]:
+    """The SASS loops of the merge after the main loops: loops with global loads whose line info (the
+    outermost inlined-at line in the kernel's body) falls mostly on the ``merge_tree`` call."""
+    spans = merge_call_lines(fn) if fn is not None else []
+    if not spans:
+        return []
+    out = []
+    for lp in loops:
+        body = insns[lp[0] : lp[1] + 1]
+        lines = [ins.line for ins in body if ins.line is not None]
+        inside = sum(any(n in sp for sp in spans) for n in lines)
+        if lines and inside * 2 > len(lines) and any(ins.is_load() for ins in body):
+            out.append(lp)
+    return out
+
+
 def round_trips(body: list[Insn]) -> int:
     """Dependent global-load chains in one pass over a loop body (see the module docstring)."""
     pending: set[int] = set()
@@ -449,7 +500,13 @@ def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, tar
     shared = int(kernel.metadata.shared)
     warps, limiter = max_warps_per_sm(ptxas["registers"], num_warps, shared)
     spill_stores, spill_loads = ptxas["spill_stores"] or 0, ptxas["spill_loads"] or 0
+    loops = sass_loops(insns, labels)
+    merges = merge_loops(insns, loops, fn)
     return {
+        "merge_loops": len(merges),
+        "tail_round_trips": max(
+            (round_trips([i for i in insns[a : b + 1] if i.base != "NOP"]) for a, b in merges), default=None
+        ),  # fmt: skip
         "registers": ptxas["registers"],
         "spill_bytes": spill_stores + spill_loads,
         "spill_store_bytes": spill_stores,
@@ -459,7 +516,7 @@ def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, tar
         "max_warps_per_sm": warps,
         "occupancy_limit": limiter,
         "elements_per_thread": per_thread,
-        **loop_metrics(insns, main_loop(insns, sass_loops(insns, labels), fn), per_thread),
+        **loop_metrics(insns, main_loop(insns, loops, fn), per_thread),
     }
 
 
@@ -497,15 +554,47 @@ def audit(shapes, dtypes, layouts, target, log=print) -> tuple[list[dict], int]:
                             "blocks": {n: int(v) for n, v in named.items() if n.startswith("BLOCK")},
                             "constexprs": {n: _plain(v) for n, v in named.items() if not n.startswith("BLOCK")},
                             **cache[key],
+                            **tail_metrics(launch),
                         })  # fmt: skip
                 n = sum(len(v) for v in passes.values())
                 log(f"  {'x'.join(map(str, shape))} {dtype_name} {layout}: {n} launches, {len(cache)} compilations")
     return rows, len(cache)
 
 
+def tail_metrics(launch: Launch) -> dict:
+    """The serial merge after the main loops of a reducing launch (one that takes ``R`` and ``G``).
+
+    The longest serial chain is the one of the program that finishes its main loop last: it merges its
+    group (at most ``G`` rows of partials), and, when there are several groups, the ``NG = ceil(R / G)``
+    level-2 rows (see ``tritonbn.kernels._common.merge_tree``). A row holds two fp64 values for each of
+    the block's channels (``min(GROUP, C)``). ``tail_iterations`` counts the ``[BLOCK_R, BLOCK_C]`` steps
+    of that chain; ``tail_levels`` the ticket-then-merge steps (each an atomic and a dependent load).
+    """
+    sc, named = launch.scalars, launch.named_constexprs()
+    if "R" not in sc or "G" not in sc:
+        return {"tail_bytes": None, "tail_rows": None, "tail_iterations": None, "tail_levels": None}
+    R, G, C = sc["R"], sc["G"], sc["C"]
+    channels = min(int(named.get("GROUP", C)), C)
+    block_r = int(named["BLOCK_R"])
+    groups = -(-R // G)
+    chain = [min(G, R)] + ([groups] if groups > 1 else [])
+    rows = sum(chain)
+    return {
+        "tail_bytes": 2 * rows * channels * 8,
+        "tail_rows": rows,
+        "tail_iterations": sum(-(-n // block_r) for n in chain),
+        "tail_levels": len(chain),
+    }
+
+
 def _plain(v):
     """A constexpr as JSON can hold it (a Triton dtype such as ACC becomes its name)."""
     return v if isinstance(v, int | float | bool | str) else str(v)
+
+
+def _kb(rows: list[dict]) -> str:
+    tails = [r["tail_bytes"] for r in rows if r["tail_bytes"] is not None]
+    return f"{max(tails) / 1024:.1f}" if tails else "-"
 
 
 def _fmt(v, spec="") -> str:
@@ -515,7 +604,7 @@ def _fmt(v, spec="") -> str:
 def markdown(rows: list[dict], meta: dict) -> str:
     head = (
         "| mode | launch | kernel | layout | dtype | shape | grid | warps | tile | regs | spill B | warps/SM "
-        "| ld bits | st bits | round trips | SASS/elem |"
+        "| ld bits | st bits | round trips | SASS/elem | tail KB | tail iters | tail trips |"
     )
     lines = [
         "## Kernel audit (sm_90, compiled without a GPU)",
@@ -540,7 +629,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['mode']} | {r['launch']} | {r['kernel']} | {r['layout']} | {r['dtype']} | {r['shape']} "
             f"| {'x'.join(map(str, r['grid']))} | {r['num_warps']} | {tile} | {r['registers']} | {r['spill_bytes']} "
             f"| {r['max_warps_per_sm']} | {_fmt(r['load_vector_bits'])} | {_fmt(r['store_vector_bits'])} "
-            f"| {_fmt(r['round_trips_per_iteration'])} | {_fmt(r['sass_per_element'])} |"
+            f"| {_fmt(r['round_trips_per_iteration'])} | {_fmt(r['sass_per_element'])} "
+            f"| {_fmt(None if r['tail_bytes'] is None else r['tail_bytes'] / 1024, '.1f')} "
+            f"| {_fmt(r['tail_iterations'])} | {_fmt(r['tail_round_trips'])} |"
         )
     lines += ["", "</details>", ""]
     return "\n".join(lines)
@@ -567,8 +658,18 @@ def summary(rows: list[dict]) -> list[str]:
         launches.setdefault(r["mode"], set()).add(int(r["launch"].split("/")[1]))
     out.append("- **Launches per pass**: " + ", ".join(f"{m} {'/'.join(map(str, sorted(launches[m])))}"
                                                           for m in MODES if m in launches) + ".")  # fmt: skip
+    tails = [r for r in rows if r["tail_bytes"] is not None]
+    if tails:
+        worst_tail = max(tails, key=lambda r: r["tail_bytes"])
+        out.append(
+            f"- **Longest merge tail**: {worst_tail['tail_bytes'] / 1024:.1f} KB in {worst_tail['tail_iterations']} "
+            f"iterations over {worst_tail['tail_levels']} levels ({worst_tail['kernel']}, {worst_tail['layout']} "
+            f"{worst_tail['dtype']} {worst_tail['shape']}, grid {'x'.join(map(str, worst_tail['grid']))}); "
+            f"merge-loop round trips (max): {max((r['tail_round_trips'] or 0) for r in tails)}."
+        )
     out += ["", "| kernel | layout | dtype | regs (max) | spill B (max) | warps/SM (min) | ld bits (min-max) "
-                "| st bits (min-max) | round trips (max) | SASS/elem (min-max) |", "|" + "---|" * 10]  # fmt: skip
+                "| st bits (min-max) | round trips (max) | SASS/elem (min-max) | tail KB (max) |",
+            "|" + "---|" * 11]  # fmt: skip
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["kernel"], r["layout"], r["dtype"]), []).append(r)
@@ -587,7 +688,8 @@ def summary(rows: list[dict]) -> list[str]:
             f"| {max(r['spill_bytes'] for r in rs)} "
             f"| {min(r['max_warps_per_sm'] for r in rs)} | {span(r['load_vector_bits'] for r in rs)} "
             f"| {span(r['store_vector_bits'] for r in rs)} | {max(trips) if trips else '-'} "
-            f"| {span(r['sass_per_element'] for r in rs)} |"
+            f"| {span(r['sass_per_element'] for r in rs)} "
+            f"| {_kb(rs)} |"
         )
     return out
 
@@ -654,6 +756,159 @@ def self_check(target) -> dict:
     return results
 
 
+# ----------------------------------------------------------------------------------------------
+# The time model (--model): a model, not a measurement
+# ----------------------------------------------------------------------------------------------
+
+# Every constant of the model, with where it comes from. None of them was measured here (no GPU).
+ASSUMPTIONS = {
+    "hbm_copy_bw": (
+        4.3e12,
+        "B/s: HBM bandwidth a copy reaches on an H200, assumed ~90% of NVIDIA's published "
+        "4.8 TB/s HBM3e peak (H200 SXM product brief); the issue's 1.32 ms floor uses the same figure. "
+        "Replace it with the copy bandwidth the GPU check measures",
+    ),
+    "sms": (132, "SMs of an H200 SXM (NVIDIA specification)"),
+    "clock_hz": (1.98e9, "Hz: H200 SXM maximum boost clock (NVIDIA specification)"),
+    "issue_per_sm_clock": (
+        4,
+        "warp instructions issued per SM per clock: 4 schedulers, one each (NVIDIA Hopper architecture whitepaper)",
+    ),
+    "dram_latency_s": (
+        800e-9,
+        "s: latency of a global load from HBM under load, for Little's law; an assumed round figure "
+        "(several hundred ns is the usual range for HBM GPUs), not measured or verified here",
+    ),
+    "merge_bw_per_sm": (
+        150e9,
+        "B/s: what one SM reads from L2 in the merge tail, the issue's middle figure "
+        "(it brackets 100-250 GB/s); assumed",
+    ),
+    "merge_level_s": (
+        0.5e-6,
+        "s: per merge level, a barrier, an atomic at L2 and the dependent load of "
+        "the first rows: about two L2 round trips; assumed",
+    ),
+    "launch_fixed_s": (
+        1.0e-6,
+        "s: per launch, the gap between back-to-back kernels on a stream plus the ramp and drain of the grid; assumed",
+    ),
+}
+# Activation-sized tensors each kernel reads and writes (the plain module: no residual, no activation).
+KERNEL_TENSORS = {
+    "_batch_norm_stats_kernel": (1, 0),
+    "_batch_norm_elemt_kernel": (1, 1),
+    "_batch_norm_backward_reduce_kernel": (2, 0),
+    "_batch_norm_backward_elemt_kernel": (2, 1),
+}
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+STEP_MODES = ("train_forward", "backward")  # a training step; eval is not part of it
+FLOOR_TENSORS = 8  # forward reads x twice and writes y; backward reads dy and x twice and writes dx
+
+
+def _a(name: str) -> float:
+    return ASSUMPTIONS[name][0]
+
+
+def model_launch(r: dict) -> dict:
+    """Modeled time of one launch, in microseconds, and its parts.
+
+    main = max(HBM bytes / copy bandwidth, SASS issue, Little's law), then + tail + fixed cost:
+
+    * issue: ``sass_per_element * elements / 32`` warp instructions over ``sms * issue_per_sm_clock * clock``;
+    * Little's law: bytes in flight = active SMs * resident warps * 32 threads * the main loop's load bytes
+      per thread per iteration (its global loads at their vector width), over ``dram_latency_s``;
+    * tail: ``tail_bytes / merge_bw_per_sm + tail_levels * merge_level_s`` (0 for kernels without a merge).
+    """
+    numel = math.prod(int(v) for v in r["shape"].split("x"))
+    reads, writes = KERNEL_TENSORS[r["kernel"]]
+    bytes_read = reads * numel * ITEMSIZE[r["dtype"]]
+    bytes_all = (reads + writes) * numel * ITEMSIZE[r["dtype"]]
+    hbm = bytes_all / _a("hbm_copy_bw")
+    issue = (r["sass_per_element"] or 0) * numel / 32 / (_a("sms") * _a("issue_per_sm_clock") * _a("clock_hz"))
+    programs = math.prod(r["grid"])
+    per_sm = min(r["max_warps_per_sm"], -(-programs // int(_a("sms"))) * r["num_warps"])
+    active_sms = min(_a("sms"), programs)
+    load_bytes = (r["loop_global_loads"] or 0) * (r["load_vector_bits"] or 32) / 8
+    in_flight = active_sms * per_sm * 32 * load_bytes
+    little = bytes_read / (in_flight / _a("dram_latency_s")) if in_flight else 0.0
+    tail_bytes_s = (r.get("tail_bytes") or 0) / _a("merge_bw_per_sm")
+    tail = tail_bytes_s + (r.get("tail_levels") or 0) * _a("merge_level_s")
+    main = max(hbm, issue, little)
+    bound = {hbm: "hbm", issue: "issue", little: "little"}[main]
+    us = 1e6
+    return {"hbm_us": hbm * us, "issue_us": issue * us, "little_us": little * us, "bound": bound,
+            "tail_us": tail * us, "tail_bytes_us": tail_bytes_s * us, "fixed_us": _a("launch_fixed_s") * us,
+            "modeled_us": (main + tail + _a("launch_fixed_s")) * us}  # fmt: skip
+
+
+def model(rows: list[dict], layer_counts: dict[str, int]) -> dict:
+    """Per launch and per layer estimates, and the training step's BatchNorms (forward+backward of every
+    layer, each shape weighted by its count in ``layer_counts``) per dtype and layout, against the HBM floor."""
+    launches = [{**{k: r[k] for k in ("kernel", "shape", "dtype", "layout", "mode", "launch")}, **model_launch(r)}
+                for r in rows]  # fmt: skip
+    whole = []
+    for dtype in sorted({r["dtype"] for r in rows}):
+        for layout in LAYOUTS:
+            step = [m for m in launches if m["dtype"] == dtype and m["layout"] == layout and m["mode"] in STEP_MODES]
+            if not step:
+                continue
+            total = sum(layer_counts[m["shape"]] * m["modeled_us"] for m in step)
+            main = sum(layer_counts[m["shape"]] * (m["modeled_us"] - m["tail_us"] - m["fixed_us"]) for m in step)
+            all_tails = sum(layer_counts[m["shape"]] * m["tail_us"] for m in step)
+            fixed = sum(layer_counts[m["shape"]] * m["fixed_us"] for m in step)
+            tails = sum(layer_counts[m["shape"]] * m["tail_bytes_us"] for m in step)
+            shapes = {m["shape"] for m in step}
+            floor = sum(layer_counts[s] * FLOOR_TENSORS * math.prod(map(int, s.split("x"))) * ITEMSIZE[dtype]
+                        for s in shapes) / _a("hbm_copy_bw") * 1e6  # fmt: skip
+            whole.append({"dtype": dtype, "layout": layout, "layers": sum(layer_counts[s] for s in shapes),
+                          "modeled_ms": round(total / 1e3, 4), "floor_ms": round(floor / 1e3, 4),
+                          "ratio": round(total / floor, 3), "tails_ms": round(tails / 1e3, 4),
+                          "tails_of_floor": round(tails / floor, 4), "main_ms": round(main / 1e3, 4),
+                          "tail_with_levels_ms": round(all_tails / 1e3, 4),
+                          "fixed_ms": round(fixed / 1e3, 4)})  # fmt: skip
+    layers = {}
+    for m in launches:
+        if m["mode"] in STEP_MODES:
+            key = (m["shape"], m["dtype"], m["layout"])
+            layers[key] = layers.get(key, 0.0) + m["modeled_us"]
+    per_layer = [{"shape": s, "dtype": d, "layout": lay, "fwd_bwd_us": round(v, 3)}
+                 for (s, d, lay), v in sorted(layers.items())]  # fmt: skip
+    return {
+        "note": "A MODEL, not a measurement: every figure follows from the assumptions below and the compiled code.",
+        "assumptions": {k: {"value": v, "source": src} for k, (v, src) in ASSUMPTIONS.items()},
+        "whole_model": whole,
+        "per_layer": per_layer,
+        "launches": launches,
+    }
+
+
+def model_markdown(m: dict, quick: bool) -> str:
+    lines = [
+        "### Time model of the BatchNorms of a ResNet-50 training step (a model, not a measurement)",
+        "",
+        f"`python benchmarks/kernel_audit.py --model{' --quick' if quick else ''}`: batch 32, forward+backward of "
+        "every BatchNorm layer (each shape weighted by its count), against the HBM floor (8 activation-sized "
+        "tensors per layer at the assumed copy bandwidth). Per launch: the larger of HBM bytes at the copy "
+        "bandwidth, SASS issue and a Little's-law bound from the bytes in flight, plus the merge tail and a "
+        "fixed cost. Merge tails: their bytes at one SM's bandwidth (the issue's measure); main loops: the "
+        "larger of the three bounds, summed; tails with levels: the tails' bytes plus each merge level's "
+        "latency; fixed: the per-launch cost.",
+        "",
+        "| dtype | layout | layers | modeled ms | HBM floor ms | modeled / floor | merge tails ms | tails / floor "
+        "| main loops ms | tails with levels ms | fixed ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in m["whole_model"]:
+        lines.append(f"| {w['dtype']} | {w['layout']} | {w['layers']} | {w['modeled_ms']:.3f} | {w['floor_ms']:.3f} "
+                     f"| {w['ratio']:.2f}x | {w['tails_ms']:.4f} | {100 * w['tails_of_floor']:.1f}% "
+                     f"| {w['main_ms']:.3f} | {w['tail_with_levels_ms']:.3f} | {w['fixed_ms']:.3f} |")  # fmt: skip
+    lines += ["", "Assumptions (none measured here):", ""]
+    for k, a in m["assumptions"].items():
+        lines.append(f"- `{k}` = {a['value']:g}: {a['source']}.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="directory for kernel_audit.json and kernel_audit.md")
@@ -661,6 +916,14 @@ def main(argv=None) -> int:
     parser.add_argument("--results", help="also write the table into this RESULTS.md, between the audit markers")
     parser.add_argument("--self-check", action="store_true", help="run the round-trip counter on toy kernels")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
+    parser.add_argument("--model", action="store_true", help="also model each launch and the training step: model.json")
+    parser.add_argument("--sm-count", type=int, default=132, help="plan launches as on a GPU with this many SMs")
+    parser.add_argument(
+        "--flat-merge",
+        action="store_true",
+        help="one-level merge (the last program merges every partial): the tail rule then fails",
+    )
+    parser.add_argument("--case", help="one shape, dtype and layout only, e.g. 32x256x14x14,bf16,channels_last")
     args = parser.parse_args(argv)
     why = tools_missing()
     if why:
@@ -675,9 +938,19 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     shapes = QUICK_SHAPES if args.quick else [s for s, _ in distinct_bn_shapes(32)]
     dtypes = ("bf16", "fp32") if args.quick else tuple(DTYPES)
+    layouts = LAYOUTS
+    if args.case:
+        shape, dtype, layout = args.case.split(",")
+        shapes, dtypes, layouts = [tuple(map(int, shape.split("x")))], (dtype,), (layout,)
+    global SM_COUNT
+    SM_COUNT = args.sm_count
+    if args.flat_merge:
+        from tritonbn.kernels import _layout
+
+        _layout._FLAT_MERGE = 1 << 30
     t0 = time.time()
-    print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {LAYOUTS} x {MODES} for sm_{args.arch}")
-    rows, compilations = audit(shapes, dtypes, LAYOUTS, target)
+    print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {layouts} x {MODES} for sm_{args.arch}")
+    rows, compilations = audit(shapes, dtypes, layouts, target)
     meta = {
         "date": datetime.date.today().isoformat(),
         "triton": triton.__version__,
@@ -690,6 +963,16 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "kernel_audit.json"), "w") as f:
         json.dump(rows, f, indent=1)
     md = markdown(rows, meta)
+    if args.model:
+        counts = {"x".join(map(str, sh)): n for sh, n in distinct_bn_shapes(32)}
+        counts.update({"x".join(map(str, sh)): counts.get("x".join(map(str, sh)), 1) for sh in shapes})
+        m = model(rows, counts)
+        m["meta"] = meta
+        with open(os.path.join(args.out, "model.json"), "w") as f:
+            json.dump(m, f, indent=1)
+        mmd = model_markdown(m, args.quick)
+        md = md.rstrip("\n") + "\n\n" + mmd + "\n"
+        print(mmd)
     with open(os.path.join(args.out, "kernel_audit.md"), "w") as f:
         f.write(md)
     if args.results:

@@ -11,7 +11,8 @@
 #      tests/test_grouped.py (the grouped plans of odd NCHW planes: tl.gather and a segmented scan);
 #   2. the headline (<= 240 s): benchmarks/headline.py, ResNet-50 channels_last bf16 forward+backward
 #      per BatchNorm shape and summed over the model, tritonbn against torch.nn.SyncBatchNorm's sync
-#      path and cuDNN, then a whole ResNet-50 training step, eager and torch.compile;
+#      path and cuDNN, then a whole ResNet-50 training step, eager and torch.compile; then the kernel
+#      audit's time model (benchmarks/model.json) printed beside the measured per-layer times;
 #   3. while time is left (<= 120 s, and only with at least 60 s left): `tritonbn bench --model resnet50`,
 #      the built-in ResNet-50's BatchNorm inputs at batch 32, channels_last bf16, training and eval, into
 #      OUTDIR/bench_model/; then the rest of the benchmark matrix, subset by subset; then the report.
@@ -63,6 +64,9 @@ stage grouped_tests 60 "$python" -m pytest -q -x -p no:cacheprovider -o addopts=
 
 # 2. The headline table and the training step.
 stage headline 240 "$python" benchmarks/headline.py --out "$out" --budget-s 200 2>&1 | tee "$out/headline.txt"
+# The kernel audit's time model (benchmarks/model.json, made without a GPU) next to the measured layers.
+[ -f "$out/headline.jsonl" ] && "$python" benchmarks/model_check.py --model benchmarks/model.json \
+    --headline "$out/headline.jsonl" 2>&1 | tee "$out/model_check.txt"
 
 # 3. tritonbn bench on the built-in ResNet-50 (a budget that leaves it time to write its table), then the
 # rest of the matrix, most valuable subsets first, each into its own JSON.

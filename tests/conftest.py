@@ -52,11 +52,12 @@ def backend_name(request, monkeypatch):
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiny tiles and many programs per channel block: every kernel runs many tiles per program, and
-    the last-program merge has many partials."""
+    the merge has many partials, two-level (groups of ceil(sqrt(programs)), the last one often short)."""
     from tritonbn.kernels import _layout
 
     monkeypatch.setattr(_layout, "_CPU_TILE", 8)
     monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
+    monkeypatch.setattr(_layout, "_FLAT_MERGE", 3)
     _layout.clear_caches()
     yield
     _layout.clear_caches()

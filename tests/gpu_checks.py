@@ -5,7 +5,10 @@
    (momentum=None, so the cumulative factor is read on the device at every replay).
 2. An empty batch captured in a CUDA graph: the empty-rank guard lives in the kernels.
 3. Forward and backward under torch.cuda.set_sync_debug_mode("error"): no host synchronization.
-4. The direct launch (tritonbn/kernels/_launch.py) is the path a repeated step takes (no call of
+4. A layer large enough for the two-level merge of the partials (tritonbn.kernels._common.merge_tree):
+   bitwise-identical results over repeated eager steps and CUDA-graph replays, every ticket counter
+   back at zero, and the statistics and gradients close to float64 torch.
+5. The direct launch (tritonbn/kernels/_launch.py) is the path a repeated step takes (no call of
    Triton's ``JITFunction.run``), and gives the same bits as Triton's own launch path.
 
 Run directly (``python tests/gpu_checks.py``); tests/test_gpu.py runs it when a GPU is present.
@@ -125,6 +128,43 @@ def check_no_host_sync():
     print("sync debug mode: training forward, backward and eval ran without a host synchronization")
 
 
+def check_two_level_merge():
+    from tritonbn.kernels import _layout
+
+    x0 = torch.randn(8, 64, 56, 56, device="cuda").to(memory_format=torch.channels_last) * 3 + 1
+    dy = torch.randn_like(x0)
+    assert _layout.plan(x0.shape, x0, tile_scale=2).merge_groups > 1, "expected a two-level merge"
+    bn = tritonbn.SyncBatchNorm(64).cuda()
+    x = x0.clone().requires_grad_()
+
+    def step():
+        y = bn(x)
+        return [y.detach(), *torch.autograd.grad(y, [x, bn.weight, bn.bias], dy)]
+
+    first = step()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(first, step(), strict=True)), "eager steps differ"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # the side stream's workspace exists before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(first, captured, strict=True)), "graph replay differs from eager"
+    assert all(not ws.tickets.any() for ws in _layout._workspaces.values()), "a ticket counter was left non-zero"
+    ref_x = x0.double().cpu().requires_grad_()
+    ref = torch.nn.functional.batch_norm(ref_x, None, None, bn.weight.double().cpu(), bn.bias.double().cpu(), True)
+    ref.backward(dy.double().cpu())
+    torch.testing.assert_close(first[0].double().cpu(), ref.detach(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first[1].double().cpu(), ref_x.grad, atol=1e-4, rtol=1e-4)
+    print("two-level merge: bitwise identical over eager steps and graph replays; tickets at zero; matches float64")
+
+
 def check_direct_launch():
     import triton
     from triton.runtime.jit import JITFunction
@@ -170,6 +210,7 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("gpu_checks: no CUDA device")
     check_direct_launch()
+    check_two_level_merge()
     check_cuda_graph_training_step()
     check_empty_batch_in_graph()
     check_no_host_sync()

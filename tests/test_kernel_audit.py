@@ -5,6 +5,7 @@ audit compiles the kernels. nvdisasm and ptxas ship with the triton wheel, so it
 """
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -14,6 +15,14 @@ import pytest
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "kernel_audit.py"
 MAX_REGISTERS = 128
+# The merge tail (see tritonbn.kernels._common.merge_tree). A flat merge reads R rows after the last main
+# loop; the two-level one at most 2 * ceil(sqrt(R)) (all of them up to 16 programs, by design).
+FLAT_MERGE_ROWS = 16
+# Bytes of the tail per launch as planned on a 132-SM GPU: two-level chains of up to 2 * 23 rows (R <= 4 * 132)
+# of 128 channels * 2 fp64 are 92 KiB, about 0.63 us at the 150 GB/s one SM reads (the model's assumption);
+# 106 such tails (the 53 layers' statistics and backward reductions) would be 5% of the ResNet-50 floor
+# (1.32 ms), which the model checks with the real tails. A flat merge of 523 programs reads 1 MiB.
+MAX_TAIL_BYTES = 96 * 1024
 
 
 def _run(*args, timeout=600):
@@ -38,13 +47,13 @@ def test_round_trip_counter_on_toy_kernels():
 @pytest.fixture(scope="module")
 def quick_audit(tmp_path_factory):
     out = tmp_path_factory.mktemp("audit")
-    _run("--quick", "--out", str(out))
+    _run("--quick", "--model", "--out", str(out))
     rows = json.loads((out / "kernel_audit.json").read_text())
-    return rows, (out / "kernel_audit.md").read_text()
+    return rows, (out / "kernel_audit.md").read_text(), json.loads((out / "model.json").read_text())
 
 
 def test_quick_audit_covers_every_pass(quick_audit):
-    rows, md = quick_audit
+    rows, md, _ = quick_audit
     fields = ("kernel", "shape", "dtype", "layout", "mode", "registers", "spill_bytes", "max_warps_per_sm",
               "load_vector_bits", "store_vector_bits", "round_trips_per_iteration", "sass_per_element", "grid",
               "num_warps", "blocks")  # fmt: skip
@@ -68,7 +77,7 @@ def test_quick_audit_covers_every_pass(quick_audit):
 
 def test_no_spills_and_at_most_128_registers(quick_audit):
     """The rules of DESIGN.md's speed section that the compiled code alone can show, on every launch."""
-    rows, _ = quick_audit
+    rows, _, _ = quick_audit
     bad = [(r["kernel"], r["layout"], r["dtype"], r["shape"], r["registers"], r["spill_bytes"]) for r in rows
            if r["spill_bytes"] or r["registers"] > MAX_REGISTERS]  # fmt: skip
     assert not bad, f"spills or more than {MAX_REGISTERS} registers: {sorted(set(bad))}"
@@ -78,7 +87,7 @@ def test_one_round_trip_and_two_launches_per_training_pass(quick_audit):
     """A training pass is 2 launches, eval 1. Every main loop loads and stores 128 bits per thread (the
     quick audit's 14x14 and 7x7 NCHW planes through grouped plans), issues all its loads before using
     any (one round trip), and the statistics loop costs at most 8 SASS instructions per element."""
-    rows, _ = quick_audit
+    rows, _, _ = quick_audit
     assert {r["mode"]: r["launch"].split("/")[1] for r in rows} == {
         "train_forward": "2",
         "backward": "2",
@@ -93,3 +102,88 @@ def test_one_round_trip_and_two_launches_per_training_pass(quick_audit):
     stats = [r for r in loops if r["kernel"] == "_batch_norm_stats_kernel"]
     assert {r["layout"] for r in stats} == {"contiguous", "channels_last"}
     assert max(r["sass_per_element"] for r in stats) <= 8, stats
+
+
+def _tail_violations(rows):
+    """Reducing launches whose merge tail breaks the rule: more than max(16, 2 ceil(sqrt(R))) rows in series."""
+    bad = []
+    for r in rows:
+        if r["tail_rows"] is None:
+            continue
+        R = r["grid"][1]
+        if r["tail_rows"] > max(FLAT_MERGE_ROWS, 2 * math.isqrt(R - 1) + 2):
+            bad.append((r["kernel"], r["layout"], r["shape"], R, r["tail_rows"], r["tail_bytes"]))
+    return bad
+
+
+def test_merge_tail_is_short(quick_audit):
+    """Every statistics and backward-reduction launch reports its merge tail; the tail reads at most
+    2 ceil(sqrt(R)) rows and MAX_TAIL_BYTES, and its merge loop is in the SASS."""
+    rows, md, _ = quick_audit
+    reducing = [r for r in rows if r["kernel"] in ("_batch_norm_stats_kernel", "_batch_norm_backward_reduce_kernel")]
+    assert {r["mode"] for r in reducing} == {"train_forward", "backward"}
+    for r in reducing:
+        assert r["tail_bytes"] > 0 and r["tail_iterations"] >= 1 and r["tail_levels"] in (1, 2), r
+        assert r["merge_loops"] >= 1 and r["tail_round_trips"] >= 1, r
+    assert all(r["tail_bytes"] is None for r in rows if r not in reducing)
+    assert any(r["tail_levels"] == 2 for r in reducing), "no quick-audit launch merges in two levels"
+    assert not _tail_violations(rows)
+    assert max(r["tail_bytes"] for r in reducing) <= MAX_TAIL_BYTES
+    assert "Longest merge tail" in md
+
+
+def test_merge_tail_with_many_programs(tmp_path):
+    """Planned as on a 1024-SM GPU, a 112x112 channels_last layer has thousands of programs per channel
+    block: the two-level tail stays near 2 sqrt(R) rows; a flat merge (--flat-merge) breaks the rule."""
+    case = ("--case", "32x64x112x112,bf16,channels_last", "--sm-count", "1024")
+    _run(*case, "--out", str(tmp_path / "tree"))
+    rows = json.loads((tmp_path / "tree" / "kernel_audit.json").read_text())
+    reducing = [r for r in rows if r["tail_rows"] is not None]
+    assert reducing and min(r["grid"][1] for r in reducing) > 1000, [r["grid"] for r in reducing]
+    assert not _tail_violations(rows)
+    _run(*case, "--flat-merge", "--out", str(tmp_path / "flat"))
+    flat = json.loads((tmp_path / "flat" / "kernel_audit.json").read_text())
+    assert len(_tail_violations(flat)) == len(reducing)
+    assert min(r["tail_bytes"] for r in flat if r["tail_bytes"]) > 8 * MAX_TAIL_BYTES
+
+
+def test_time_model_on_the_quick_subset(quick_audit):
+    """--model: each launch's estimate is at least its HBM time plus the fixed cost; the training step's
+    rows hold dtype, layout, modeled_ms and floor_ms, with the modeled time above the floor; every
+    assumption has a value and a source."""
+    rows, md, m = quick_audit
+    assert "a model" in md.lower() and "Assumptions" in md
+    assert all(a["source"] and a["value"] > 0 for a in m["assumptions"].values())
+    fixed = m["assumptions"]["launch_fixed_s"]["value"] * 1e6
+    assert len(m["launches"]) == len(rows)
+    for launch in m["launches"]:
+        assert launch["modeled_us"] >= max(launch["hbm_us"], launch["issue_us"], launch["little_us"]) + fixed - 1e-9
+        assert (launch["tail_us"] > 0) == (launch["kernel"] in ("_batch_norm_stats_kernel",
+                                                                "_batch_norm_backward_reduce_kernel"))  # fmt: skip
+    whole = {(w["dtype"], w["layout"]): w for w in m["whole_model"]}
+    assert set(whole) == {(d, lay) for d in ("bf16", "fp32") for lay in ("contiguous", "channels_last")}
+    for w in whole.values():
+        assert w["floor_ms"] > 0 and w["modeled_ms"] > w["floor_ms"] and 0 < w["tails_ms"] < w["modeled_ms"], w
+    # fp32 moves twice the bytes of bf16: its floor is twice as long.
+    assert abs(whole[("fp32", "channels_last")]["floor_ms"] / whole[("bf16", "channels_last")]["floor_ms"] - 2) < 1e-3
+
+
+def test_model_check_prints_model_beside_measured():
+    """benchmarks/model_check.py (the GPU check's comparison) pairs the model's per-layer times with
+    headline.py's measured rows by shape, and sums both over the measured layers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("model_check", SCRIPT.parent / "model_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cl = {"layout": "channels_last"}
+    model = {"per_layer": [{"shape": "32x64x56x56", "dtype": "bf16", **cl, "fwd_bwd_us": 20.0},
+                           {"shape": "32x2048x7x7", "dtype": "bf16", **cl, "fwd_bwd_us": 8.0},
+                           {"shape": "32x64x56x56", "dtype": "fp32", **cl, "fwd_bwd_us": 99.0}]}  # fmt: skip
+    measured = [{"table": "layer", "shape": [32, 64, 56, 56], "provider": "tritonbn", "count": 6, "ms": 0.03},
+                {"table": "layer", "shape": [32, 64, 56, 56], "provider": "cudnn", "count": 6, "ms": 0.01}]  # fmt: skip
+    lines = mod.compare(model, measured)
+    row = next(line for line in lines if "32x64x56x56" in line).split()
+    assert row[1:] == ["6", "20.0", "30.0", "1.50"], row
+    assert next(line for line in lines if "32x2048x7x7" in line).split()[-2:] == ["-", "-"]
+    assert lines[-1].split()[-5:] == ["0.120", "ms", "0.180", "ms", "1.50"], lines[-1]

@@ -10,7 +10,8 @@ The ticket. A kernel whose programs each write a partial result finishes in the 
 program stores its partials, then takes a ticket with one atomic increment; the program that draws
 the last ticket merges all the partials, in a fixed order (so the result is bitwise deterministic
 whatever order the programs finish in), and puts the counter back to zero for the next launch (so
-no memset is needed, and a CUDA graph can replay it).
+no memset is needed, and a CUDA graph can replay it). With many programs the merge is two-level
+(:func:`merge_tree`), so the work left after the last main loop stays short.
 """
 
 import torch
@@ -163,22 +164,71 @@ def take_ticket(ticket_ptr):
 
 
 @triton.jit
-def merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The two rows of ``(2, R, C)`` partials summed over ``R`` in a fixed order, in fp64: ``(sum0, sum1)``.
+def merge_rows(part_ptr, R, start, count, C, cols, c_mask, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows ``[start, start + count)`` of ``(2, R, C)`` partials summed in a fixed order, in fp64: ``(sum0, sum1)``.
 
-    Run by the program that drew the last ticket; the partials of the other programs are read with
-    volatile loads (from L2, never a stale L1 line).
+    The partials of other programs are read from L2 (``.cg``: never a stale L1 line; the ticket's
+    acq_rel atomic ordered their stores before). Each step issues the next ``[BLOCK_R, BLOCK_C]``
+    tile's loads before adding the current one.
     """
     rows = tl.arange(0, BLOCK_R)
+    end = start + count
+    r = start + rows
+    pmask = (r < end)[:, None] & c_mask[None, :]
+    poffs = r[:, None] * C + cols[None, :]
+    a0 = tl.load(part_ptr + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
+    a1 = tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, cache_modifier=".cg").to(tl.float64)
     m0 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
     m1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + rows
-        pmask = (r < R)[:, None] & c_mask[None, :]
-        poffs = r[:, None] * C + cols[None, :]
-        m0 += tl.load(part_ptr + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
-        m1 += tl.load(part_ptr + R * C + poffs, mask=pmask, other=0.0, volatile=True).to(tl.float64)
+    for r0 in range(start + BLOCK_R, end + BLOCK_R, BLOCK_R):
+        r_next = r0 + rows  # not `r`: a loop-carried name must keep its type, and r0 may be wider
+        nmask = (r_next < end)[:, None] & c_mask[None, :]
+        noffs = r_next[:, None] * C + cols[None, :]
+        n0 = tl.load(part_ptr + noffs, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float64)
+        n1 = tl.load(part_ptr + R * C + noffs, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float64)
+        m0 += a0
+        m1 += a1
+        a0 = n0
+        a1 = n1
     return tl.sum(m0, axis=0), tl.sum(m1, axis=0)
+
+
+@triton.jit
+def merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """After every program stored row ``pid_r`` of the ``(2, R, C)`` partials: the two-level merge.
+
+    Returns ``(last, sum0, sum1)``: ``last`` is true in the one program of channel block ``pid_c``
+    that holds the sums over all ``R`` rows. Programs form groups of ``G`` consecutive rows. Each
+    takes a ticket on its group's counter; the last of a group merges the group's rows (in row
+    order) into row ``g`` of the ``(2, NG, C)`` level-2 partials that follow the ``R`` rows, then
+    takes a ticket on the block's top counter; the last group merges the ``NG`` level-2 rows (in
+    group order). So the merge order is fixed whatever order programs finish in, and the serial
+    tail after the last main loop reads about ``G + NG ~ 2 sqrt(R)`` rows instead of ``R``. Each
+    counter is put back to zero by the program that consumed it. The counters of block ``pid_c``
+    are ``ticket_ptr[pid_c * (NG + 1) + (0, 1 .. NG)]`` (top, groups).
+    """
+    NG = (R + G - 1) // G
+    g = pid_r // G
+    gsize = tl.minimum(G, R - g * G)
+    tk = ticket_ptr + pid_c * (NG + 1)
+    last = pid_r < 0
+    s0 = tl.zeros([BLOCK_C], dtype=tl.float64)
+    s1 = tl.zeros([BLOCK_C], dtype=tl.float64)
+    if take_ticket(tk + 1 + g) == gsize - 1:
+        s0, s1 = merge_rows(part_ptr, R, g * G, gsize, C, cols, c_mask, BLOCK_R, BLOCK_C)
+        tl.store(tk + 1 + g, 0)  # ready for the next launch
+        if NG > 1:
+            level2 = part_ptr + 2 * R * C
+            tl.store(level2 + g * C + cols, s0, mask=c_mask)
+            tl.store(level2 + NG * C + g * C + cols, s1, mask=c_mask)
+            if take_ticket(tk) == NG - 1:
+                s0, s1 = merge_rows(level2, NG, 0, NG, C, cols, c_mask, BLOCK_R, BLOCK_C)
+                tl.store(tk, 0)
+                last = pid_r >= 0
+        else:
+            last = pid_r >= 0
+    return last, s0, s1
 
 
 @triton.jit

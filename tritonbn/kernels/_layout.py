@@ -39,8 +39,14 @@ import torch
 _GPU_TILE = 2048
 _CPU_TILE = 4096
 _CPU_PROGRAMS = 4
-_MERGE_TILE = 2048  # elements of the [BLOCK_R, BLOCK_C] tile the last program merges partials with
+# Elements of the [BLOCK_R, BLOCK_C] tile a merge reads at a time. The merge loop holds two such tiles
+# (current and prefetched) of fp64: 1024 keeps the reducing kernels at <= 80 registers (24 warps per SM);
+# 2048 took them to 98 (16 warps), which the main loop pays for (see benchmarks/kernel_audit.py).
+_MERGE_TILE = 1024
 _PROGRAMS_PER_SM = 4
+# Up to this many programs per channel block, the last one merges all their partials (one level);
+# past it the merge is two-level, in groups of about sqrt(programs) (see _common.merge_tree).
+_FLAT_MERGE = 16
 _INT32_MAX = 2**31 - 1
 _GROUP_ALIGN = 8  # elements a grouped run starts on: 16 bytes of fp16/bf16, 32 of fp32
 
@@ -118,6 +124,7 @@ class Plan:
     BLOCK_R: int  # rows of partials the last program merges at a time
     PLANE: int  # grouped plans: the plane size (lanes per channel); 0 otherwise
     GROUP: int  # channels per program: GROUP of the BLOCK_C per-channel slots (BLOCK_C when not grouped)
+    G: int  # programs per merge group: r_progs when the merge is one level (see _merge_group)
     # What every kernel takes, computed once per plan:
     size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
     stride_args: tuple[int, ...]  # per tensor: (s_c, s_o0, s_o1, s_o2) / VEC, then s_i
@@ -125,6 +132,33 @@ class Plan:
     @property
     def grid(self) -> tuple[int, int]:
         return (self.c_blocks, self.r_progs)
+
+    @property
+    def merge_group(self) -> int:
+        return self.G
+
+    @property
+    def merge_groups(self) -> int:
+        """Level-2 partial rows per channel block (1 when the merge is one level)."""
+        return -(-self.r_progs // self.G)
+
+    @property
+    def merge_tickets(self) -> int:
+        """Ticket counters a reducing launch takes: a top counter and one per group, per channel block."""
+        return self.c_blocks * (self.merge_groups + 1)
+
+    @property
+    def merge_scratch(self) -> int:
+        """float64 scratch values of a reducing launch: ``(2, r_progs, C)`` partials, then ``(2, groups, C)``."""
+        return 2 * (self.r_progs + self.merge_groups) * self.C
+
+    @property
+    def tail_rows(self) -> int:
+        """Partial rows the last program to finish reads, in series, after its main loop: its group's
+        rows, then (two-level) the level-2 rows."""
+        groups = self.merge_groups
+        last_group = self.r_progs - (groups - 1) * self.G
+        return max(self.G, last_group) + (groups if groups > 1 else 0)
 
 
 class Workspace:
@@ -286,9 +320,10 @@ def _plan_cached(
         # or the inner size cut short gets 4 warps.
         num_warps=8 if BLOCK_C * BLOCK_I >= 2048 * tile_scale else 4,
         VEC=VEC,
-        BLOCK_R=_merge_rows(r_progs, BLOCK_C),
+        BLOCK_R=_merge_rows(_merge_group(r_progs), BLOCK_C),
         PLANE=0,
         GROUP=BLOCK_C,
+        G=_merge_group(r_progs),
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
         stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
     )
@@ -301,9 +336,18 @@ def _split(tiles: int, c_blocks: int, kind: tuple[str, int]) -> tuple[int, int]:
     return max(1, -(-tiles // tiles_per_prog)), tiles_per_prog  # drop programs that would get no tile
 
 
-def _merge_rows(r_progs: int, BLOCK_C: int) -> int:
-    """Rows of partials the last program merges at a time, in a ``[BLOCK_R, BLOCK_C]`` tile."""
-    return max(1, min(_next_pow2(r_progs), _MERGE_TILE // BLOCK_C))
+def _merge_group(r_progs: int) -> int:
+    """Programs per merge group: all of them up to ``_FLAT_MERGE``, else ``ceil(sqrt(r_progs))``, which
+    makes the serial tail (a group, then at most as many level-2 rows) about ``2 sqrt(r_progs)`` rows."""
+    if r_progs <= _FLAT_MERGE:
+        return max(1, r_progs)
+    return math.isqrt(r_progs - 1) + 1
+
+
+def _merge_rows(group: int, BLOCK_C: int) -> int:
+    """Rows of partials merged at a time, in a ``[BLOCK_R, BLOCK_C]`` tile: a group's rows (and at most as
+    many level-2 rows) in one step where the tile allows."""
+    return max(1, min(_next_pow2(group), _MERGE_TILE // BLOCK_C))
 
 
 def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> Plan | None:
@@ -354,9 +398,10 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> P
         use_int64=max_offset > _INT32_MAX or tiles * tile > _INT32_MAX,
         num_warps=8 if tile >= _GPU_TILE else 4,
         VEC=vec,
-        BLOCK_R=_merge_rows(r_progs, BLOCK_C),
+        BLOCK_R=_merge_rows(_merge_group(r_progs), BLOCK_C),
         PLANE=plane,
         GROUP=group,
+        G=_merge_group(r_progs),
         size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
         # As they are: a tile starts at o * stride_o0 + pid_c * GROUP * PLANE (see _common.tile_rows),
         # whose alignment Triton sees from its hint on the stride and from the constexprs.

@@ -3,9 +3,10 @@
 The kernel runs on the same ``(channel blocks, reduction chunks)`` grid as the forward. Each program
 sums, per lane, ``dz`` and ``dz * (x - mean_hi)``, where ``dz = dy * act'(z)`` is the gradient before
 a fused activation (``dz = dy`` without one): two loads, one subtract, one add and one fused
-multiply-add per element. It merges its lanes and writes one partial per channel; the program that
-draws the last ticket (see :mod:`tritonbn.kernels._common`) adds the partials in a fixed order, in
-fp64, and writes the packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
+multiply-add per element. It merges its lanes and writes one partial per channel; the partials are
+added in a fixed order, in fp64, in two levels past 16 programs (see
+:func:`tritonbn.kernels._common.merge_tree`), and the program left holding the sums writes the
+packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
 
     sum_dz_xhat = (sum(dz * (x - mean_hi)) - mean_lo * sum_dz) * invstd,
 
@@ -27,11 +28,10 @@ from tritonbn.kernels._common import (
     channel_block,
     grad_z,
     lane_channels,
-    merge_partials,
+    merge_tree,
     per_lane,
     split_mean,
     store_partials,
-    take_ticket,
     tile_mask,
     tile_next,
     tile_offsets,
@@ -44,7 +44,7 @@ from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
 # specialize arguments equal to 1 and drop the loop).
-@triton.jit(do_not_specialize=["tiles_per_prog", "R"])
+@triton.jit(do_not_specialize=["tiles_per_prog", "R", "G"])
 def _batch_norm_backward_reduce_kernel(
     # pointers
     dy_ptr,  # (N, C, *S)
@@ -54,11 +54,11 @@ def _batch_norm_backward_reduce_kernel(
     invstd_ptr,  # (C,) ACC saved invstd
     w_ptr,  # (C,) or unused
     b_ptr,  # (C,) or unused
-    part_ptr,  # (2, R, C) fp64: each program's sum_dz, sum_dz_xc
+    part_ptr,  # (2, R, C) then (2, merge groups, C) fp64: each program's sum_dz, sum_dz_xc
     sums_ptr,  # (2, C) ACC out: [sum_dz | sum_dz_xhat]
     gw_ptr,  # (C,) out: local grad_weight, or unused
     gb_ptr,  # (C,) out: local grad_bias, or unused
-    ticket_ptr,  # (channel blocks,) int32, zero before and after
+    ticket_ptr,  # (channel blocks, merge groups + 1) int32, zero before and after
     # sizes
     C,
     O1,
@@ -68,6 +68,7 @@ def _batch_norm_backward_reduce_kernel(
     tiles,
     tiles_per_prog,
     R,
+    G,  # programs per merge group (see merge_tree)
     # strides of dy, x and aux
     sdy_c,
     sdy_o0,
@@ -169,9 +170,9 @@ def _batch_norm_backward_reduce_kernel(
 
     # This program's partials, its lanes merged in ACC.
     store_partials(part_ptr, pid_r, R, C, cols, c_mask, acc_dz, acc_dzx, pid_c, lanes, inner_v, PLANE, GROUP, VEC, ACC)
-    if take_ticket(ticket_ptr + pid_c) == R - 1:
-        # The last program of this channel block: merge the R partials in a fixed order, in fp64.
-        sum_dz, sum_dzx_hi = merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R, BLOCK_C)
+    # The two-level merge in a fixed order (see merge_tree); one program ends with the sums over all R.
+    last, sum_dz, sum_dzx_hi = merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask, BLOCK_R, BLOCK_C)
+    if last:
         sum_dzx = (sum_dzx_hi - lo.to(tl.float64) * sum_dz) * invstd.to(tl.float64)
         tl.store(sums_ptr + cols, sum_dz.to(sums_ptr.dtype.element_ty), mask=c_mask)
         tl.store(sums_ptr + C + cols, sum_dzx.to(sums_ptr.dtype.element_ty), mask=c_mask)
@@ -179,7 +180,6 @@ def _batch_norm_backward_reduce_kernel(
             tl.store(gw_ptr + cols, sum_dzx.to(gw_ptr.dtype.element_ty), mask=c_mask)
         if HAS_GB:
             tl.store(gb_ptr + cols, sum_dz.to(gb_ptr.dtype.element_ty), mask=c_mask)
-        tl.store(ticket_ptr + pid_c, 0)  # ready for the next launch
 
 
 def aux_tensor(activation, residual, output, negative_slope) -> tuple[torch.Tensor | None, int]:
@@ -270,7 +270,7 @@ _launches = launch_cache()
 def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind) -> Launch:
     """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
-    C, R = layout.C, layout.r_progs
+    R = layout.r_progs
     constexprs = dict(
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
@@ -287,6 +287,6 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
     )
-    tail = (*layout.size_args, R, *layout.stride_args, float(negative_slope))
+    tail = (*layout.size_args, R, layout.merge_group, *layout.stride_args, float(negative_slope))
     return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
-                  tickets=layout.c_blocks, scratch=2 * R * C)  # fmt: skip
+                  tickets=layout.merge_tickets, scratch=layout.merge_scratch)  # fmt: skip

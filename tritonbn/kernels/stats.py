@@ -8,9 +8,10 @@ channel's first element, the same in every program)::
 
 in fp32 (fp64 for float64 inputs): one subtract, one add and one fused multiply-add per element.
 The shift keeps the sums small when ``|mean| >> std``, so ``var = S2/n - (S1/n)^2`` does not cancel.
-Each program merges its lanes in fp64 and writes one partial per channel; the program that draws the
-last ticket (see :mod:`tritonbn.kernels._common`) adds the partials in a fixed order, removes the
-shift in fp64, and writes the packed, sum-combinable buffer of ``2C + 1`` float64::
+Each program merges its lanes in fp64 and writes one partial per channel; the partials are added in
+a fixed order, in two levels past 16 programs (see :func:`tritonbn.kernels._common.merge_tree`), and
+the one program left holding the sums removes the shift in fp64, and writes the packed,
+sum-combinable buffer of ``2C + 1`` float64::
 
     stats[:C]   = sum(x)   = S1 + n p
     stats[C:2C] = sum(x^2) = S2 + 2 p S1 + n p^2
@@ -29,10 +30,9 @@ from tritonbn.kernels._common import (
     acc_dtypes,
     channel_block,
     lane_channels,
-    merge_partials,
+    merge_tree,
     per_lane,
     store_partials,
-    take_ticket,
     tile_mask,
     tile_next,
     tile_offsets,
@@ -45,13 +45,13 @@ from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
 # specialize arguments equal to 1 and drop the loop).
-@triton.jit(do_not_specialize=["tiles_per_prog", "R"])
+@triton.jit(do_not_specialize=["tiles_per_prog", "R", "G"])
 def _batch_norm_stats_kernel(
     # pointers
     x_ptr,  # (N, C, *S), any strides
-    part_ptr,  # (2, R, C) fp64: each program's shifted sums S1, S2
+    part_ptr,  # (2, R, C) then (2, merge groups, C) fp64: each program's shifted sums S1, S2
     stats_ptr,  # (2C + 1,) fp64 out: [sum x | sum x^2 | count]
-    ticket_ptr,  # (channel blocks,) int32, zero before and after
+    ticket_ptr,  # (channel blocks, merge groups + 1) int32, zero before and after
     # sizes
     C,
     O1,
@@ -61,6 +61,7 @@ def _batch_norm_stats_kernel(
     tiles,
     tiles_per_prog,
     R,
+    G,  # programs per merge group (see merge_tree)
     count,  # elements per channel in x
     # strides of x
     sx_c,
@@ -126,16 +127,15 @@ def _batch_norm_stats_kernel(
 
     # This program's partials, its lanes merged in fp64.
     store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, GROUP, VEC, tl.float64)
-    if take_ticket(ticket_ptr + pid_c) == R - 1:
-        # The last program of this channel block: merge the R partials in a fixed order.
-        S1, S2 = merge_partials(part_ptr, R, C, cols, c_mask, BLOCK_R, BLOCK_C)
+    # The two-level merge in a fixed order (see merge_tree); one program ends with the sums over all R.
+    last, S1, S2 = merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask, BLOCK_R, BLOCK_C)
+    if last:
         p = pivot.to(tl.float64)
         n = tl.cast(count, tl.float64)
         tl.store(stats_ptr + cols, S1 + n * p, mask=c_mask)
         tl.store(stats_ptr + C + cols, S2 + (2.0 * p) * S1 + n * p * p, mask=c_mask)
         if pid_c == 0:
             tl.store(stats_ptr + 2 * C, n)
-        tl.store(ticket_ptr + pid_c, 0)  # ready for the next launch
 
 
 def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +178,6 @@ def _launch(x: torch.Tensor) -> Launch:
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
     )
-    tail = (*layout.size_args, R, x.numel() // C, *layout.stride_args)
+    tail = (*layout.size_args, R, layout.merge_group, x.numel() // C, *layout.stride_args)
     return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=4,
-                  tickets=layout.c_blocks, scratch=2 * R * C)  # fmt: skip
+                  tickets=layout.merge_tickets, scratch=layout.merge_scratch)  # fmt: skip
