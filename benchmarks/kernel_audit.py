@@ -334,16 +334,23 @@ def sass_loops(insns: list[Insn], labels: dict[str, int]) -> list[tuple[int, int
     return loops
 
 
-def top_level_for_lines(fn: JITFunction) -> list[range]:
-    """Source line ranges of the ``for`` loops directly in the kernel's body (not nested in an ``if``)."""
+def kernel_body(fn: JITFunction):
+    """The kernel's ``ast.FunctionDef`` and the file line its source starts on, or None without source."""
     try:
         src_lines, start = inspect.getsourcelines(fn.fn)
     except (OSError, TypeError):
-        return []
+        return None
     tree = ast.parse(textwrap.dedent("".join(src_lines)))
     func = next((n for n in tree.body if isinstance(n, ast.FunctionDef)), None)
-    if func is None:
+    return None if func is None else (func, start)
+
+
+def top_level_for_lines(fn: JITFunction) -> list[range]:
+    """Source line ranges of the ``for`` loops directly in the kernel's body (not nested in an ``if``)."""
+    body = kernel_body(fn)
+    if body is None:
         return []
+    func, start = body
     return [
         range(start + node.lineno - 1, start + node.end_lineno)
         for node in func.body
@@ -374,14 +381,10 @@ def main_loop(insns: list[Insn], loops: list[tuple[int, int]], fn: JITFunction |
 
 def merge_call_lines(fn: JITFunction) -> list[range]:
     """Source line ranges of the kernel-body statements that call ``merge_tree`` (the merge after the main loop)."""
-    try:
-        src_lines, start = inspect.getsourcelines(fn.fn)
-    except (OSError, TypeError):
+    body = kernel_body(fn)
+    if body is None:
         return []
-    tree = ast.parse(textwrap.dedent("".join(src_lines)))
-    func = next((n for n in tree.body if isinstance(n, ast.FunctionDef)), None)
-    if func is None:
-        return []
+    func, start = body
     out = []
     for node in func.body:
         calls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
