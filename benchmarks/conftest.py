@@ -8,10 +8,15 @@ Triton interpreter: it checks that every case and provider runs, and its times m
 import datetime
 import os
 import socket
+import sys
 
 DEVICE = os.environ.get("TRITONBN_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from fast_interpreter import install  # noqa: E402
+
+    install()  # the interpreter without the costs the smoke run does not need (see tests/fast_interpreter.py)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
