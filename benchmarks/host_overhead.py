@@ -430,7 +430,59 @@ def resnet_cases():
         "resnet50_tritonbn_with_launch": (step_tbn, direct_and_fill),
         "resnet50_reference": (step_ref, stub_launches),
     }
-    return cases, layers
+    return cases, layers, (tbn, step_tbn), (ref, step_ref)
+
+
+def layer_forwards_in_and_out_of_the_model(tritonbn_model, reference_model, rounds: int) -> dict[str, float]:
+    """Microseconds per BN layer forward (the module call, hooks around it), in the model and alone.
+
+    In the model, forward hooks time each BN call of the training step, with the convolutions running
+    between them. Alone, the same layers are called back to back on the inputs they saw in the model,
+    with nothing between them. tritonbn with its launch (``direct_and_fill``), the reference as it is.
+    """
+    (tbn, step_tbn), (ref, step_ref) = tritonbn_model, reference_model
+    found = {"tritonbn": [], "reference": []}
+    times: list[int] = []
+    hooks = []
+
+    def keep(seen):
+        return lambda m, a: seen.append((m, a[0].detach()))
+
+    for name, model, kind in (("tritonbn", tbn, tritonbn.SyncBatchNorm), ("reference", ref, nn.BatchNorm2d)):
+        hooks += [m.register_forward_pre_hook(keep(found[name])) for m in model.modules() if isinstance(m, kind)]
+    direct_and_fill()
+    step_tbn()
+    stub_launches()
+    step_ref()
+    for h in hooks:
+        h.remove()
+
+    def pre(m, a):
+        m._tritonbn_t0 = CLOCK()
+
+    def post(m, a, out):
+        times.append(CLOCK() - m._tritonbn_t0)
+
+    for m, _ in found["tritonbn"] + found["reference"]:
+        hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    samples: dict[str, list[float]] = {k: [] for k in ("tritonbn_model", "reference_model", "tritonbn_alone",
+                                                       "reference_alone")}  # fmt: skip
+    mode = {"tritonbn": direct_and_fill, "reference": stub_launches}
+    step = {"tritonbn": step_tbn, "reference": step_ref}
+    for _ in range(rounds):
+        for name in ("tritonbn", "reference"):
+            mode[name]()
+            times.clear()
+            step[name]()
+            samples[f"{name}_model"].append(sum(times) / len(times) / 1e3)
+            times.clear()
+            for m, x in found[name]:
+                m(x.requires_grad_())
+            samples[f"{name}_alone"].append(sum(times) / len(times) / 1e3)
+    for h in hooks:
+        h.remove()
+    stub_launches()
+    return {k: med(v) for k, v in samples.items()}
 
 
 # --- report -------------------------------------------------------------------------------------------
@@ -501,7 +553,7 @@ def main(argv=None) -> int:
         "inner": args.inner,
     }
     if not args.no_resnet:
-        cases, layers = resnet_cases()
+        cases, layers, tbn_model, ref_model = resnet_cases()
         result["resnet50_launches_per_step"] = count_launches(cases["resnet50_tritonbn"][0])
         r = interleaved(cases, max(8, args.rounds // 4), 3)
         result["resnet50_bn_layers"] = layers
@@ -513,6 +565,9 @@ def main(argv=None) -> int:
         )
         result["resnet50_extra_us_per_layer_with_launch"] = (
             (result["resnet50_tritonbn_with_launch_ms"] - result["resnet50_reference_ms"]) * 1e3 / layers
+        )
+        result["resnet50_layer_forward_us"] = layer_forwards_in_and_out_of_the_model(
+            tbn_model, ref_model, max(10, args.rounds // 2)
         )
     print(markdown(result))
     if args.json:
@@ -589,6 +644,20 @@ def markdown(r: dict) -> str:
             f"BN layer to a step over nn.BatchNorm2d's with the launch ({r['resnet50_extra_us_per_layer']:.0f} µs "
             "with launches stubbed).",
         ]
+    if "resnet50_layer_forward_us" in r:
+        f = r["resnet50_layer_forward_us"]
+        lines += [
+            "",
+            "| one BN layer's forward, µs (mean over the 53 layers) | in the model | alone | model / alone |",
+            "|---|---|---|---|",
+        ]
+        for name, label in (("tritonbn", "tritonbn, with the launch"), ("reference", "nn.BatchNorm2d")):
+            model, alone = f[f"{name}_model"], f[f"{name}_alone"]
+            lines.append(f"| {label} | {model:.1f} | {alone:.1f} | {model / alone:.2f} |")
+        lines.append(
+            f"| tritonbn's extra | {f['tritonbn_model'] - f['reference_model']:.1f} | "
+            f"{f['tritonbn_alone'] - f['reference_alone']:.1f} | |"
+        )
     return "\n".join(lines)
 
 
