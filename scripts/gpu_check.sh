@@ -8,7 +8,10 @@
 #      backward under torch.cuda.set_sync_debug_mode("error")), then the oracle tests of
 #      tests/test_batchnorm.py and tests/test_epilogue.py (shapes, both layouts, fp32/fp16/bf16,
 #      determinism, |mean|/std = 1e3) on the Triton backend, CUDA as the default device, then
-#      tests/test_grouped.py (the grouped plans of odd NCHW planes: tl.gather and a segmented scan);
+#      tests/test_grouped.py (the grouped plans of odd NCHW planes: tl.gather and a segmented scan).
+#      Every eager launch there after a plan's first goes through tritonbn's direct launch
+#      (tritonbn/kernels/_launch.py: the cached CompiledKernel's C launcher), so this stage is also
+#      the direct launch's first run on a real driver (tests/test_launch.py checks it over a fake one);
 #   2. the headline (<= 240 s): benchmarks/headline.py, ResNet-50 channels_last bf16 forward+backward
 #      per BatchNorm shape and summed over the model, tritonbn against torch.nn.SyncBatchNorm's sync
 #      path and cuDNN, then a whole ResNet-50 training step, eager and torch.compile; then the kernel
