@@ -15,15 +15,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from .distributed import world as default_group
+
 # group_size -> (the default group the subgroups were made from, this rank's subgroup)
 _cache: dict[int, tuple[object, object]] = {}
-
-
-def _world():
-    """The default process group, or ``None`` when torch.distributed is unavailable or uninitialized."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.group.WORLD
 
 
 def check_group_size(group_size, world: int) -> None:
@@ -33,7 +28,9 @@ def check_group_size(group_size, world: int) -> None:
     if group_size < 1:
         raise ValueError(f"tritonbn: group_size must be a positive int or None, got {group_size}")
     if world % group_size:
-        alone = "" if _world() is not None else " (torch.distributed is not initialized: the world is this process)"
+        alone = ""
+        if default_group() is None:
+            alone = " (torch.distributed is not initialized: the world is this process)"
         raise ValueError(
             f"tritonbn: group_size {group_size} does not divide the world size {world}{alone}; BatchNorm groups are "
             f"{group_size} consecutive ranks each, so the world size must be a multiple of {group_size}"
@@ -55,7 +52,7 @@ def syncbn_group(group_size: int | None = None):
     ``group_size`` must divide the world size; otherwise every rank raises the same
     ``ValueError``, before any communication.
     """
-    world_group = _world()
+    world_group = default_group()
     world = dist.get_world_size() if world_group is not None else 1
     if group_size is None:
         return world_group
@@ -75,7 +72,7 @@ def group_size_of(group) -> int | None:
     """The ``group_size`` that :func:`syncbn_group` built ``group`` for (the world size for the world
     group and for ``None``), or ``None`` for another process group.
     """
-    world_group = _world()
+    world_group = default_group()
     if world_group is None:
         return None
     if group is None or group is world_group:
