@@ -62,7 +62,9 @@ def main(argv=None) -> int:
         pointers = {"x_ptr": dt, "y_ptr": dt, "r_ptr": dt, "stats_ptr": "*fp64", "nbt_ptr": "*i64",
                     "mean_ptr": "*fp64", "aux_ptr": dt, "dy_ptr": dt, "dx_ptr": dt, "dr_ptr": dt,
                     "count_ptr": "*fp64", "ticket_ptr": "*i32", "part_ptr": "*fp64", "sums_ptr": acc_ptr,
-                    "invstd_ptr": acc_ptr}  # fmt: skip
+                    "invstd_ptr": acc_ptr,
+                    # a module in the input's dtype (.to(dtype)); the kernel audit compiles fp32 ones
+                    "w_ptr": dt, "b_ptr": dt, "rmean_ptr": dt, "rvar_ptr": dt, "gw_ptr": dt, "gb_ptr": dt}  # fmt: skip
         # A plane-by-plane plan, and a grouped one (7x7 planes, 40 channels per program; see _layout).
         plans = [{"BLOCK_C": 32, "BLOCK_I": 64, "VEC": 4, "PLANE": 0, "GROUP": 32},
                  {"BLOCK_C": 64, "BLOCK_I": 2048, "VEC": 8, "PLANE": 49, "GROUP": 40}]  # fmt: skip

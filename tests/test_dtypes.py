@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import TOLERANCES
+from oracle import PARAM_GRAD_TOL, TOLERANCES
 
 import tritonbn
 from tritonbn.kernels import _layout
@@ -42,6 +42,46 @@ def test_dtype_combinations(backend_name, dtype, params, buffers, training):
     btol = 1e-12 if buffers == torch.float64 and dtype == torch.float64 else 1e-6
     torch.testing.assert_close(rm.double(), rm_ref, atol=btol, rtol=btol)
     torch.testing.assert_close(rv.double(), rv_ref, atol=btol, rtol=btol)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_module(backend_name, dtype, training):
+    """``SyncBatchNorm(C).to(dtype)``: weight, bias and buffers in fp16/bf16 too (the kernels compute in
+    fp32/fp64 and round once into them). Output, every gradient and the running statistics against the
+    float64 oracle on the same rounded parameters."""
+    torch.manual_seed(13)
+    C = 5
+    bn = tritonbn.SyncBatchNorm(C).to(dtype).train(training)
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(C) + 0.5)
+        bn.bias.copy_(torch.randn(C))
+        bn.running_mean.copy_(torch.randn(C))
+        bn.running_var.copy_(torch.rand(C) + 0.5)
+    rm_ref, rv_ref = bn.running_mean.double().clone(), bn.running_var.double().clone()
+    w_ref = bn.weight.detach().double().requires_grad_()
+    b_ref = bn.bias.detach().double().requires_grad_()
+    x = (torch.randn(4, C, 3, 7, dtype=torch.float64) * 2 + 1).to(dtype)
+    xd = x.double().requires_grad_()
+    y_ref = F.batch_norm(xd, rm_ref, rv_ref, w_ref, b_ref, training, 0.1, 1e-5)
+    dy = torch.randn_like(y_ref).to(dtype)
+    y_ref.backward(dy.double())
+
+    xt = x.clone().requires_grad_()
+    y = bn(xt)
+    y.backward(dy)
+    atol, rtol = ATOL[dtype]
+    assert y.dtype == bn.weight.grad.dtype == bn.running_mean.dtype == dtype
+    torch.testing.assert_close(y.double(), y_ref.detach(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(xt.grad.double(), xd.grad, atol=4 * atol, rtol=4 * rtol)
+    gatol, grtol = PARAM_GRAD_TOL[dtype]
+    torch.testing.assert_close(bn.weight.grad.double(), w_ref.grad, atol=gatol, rtol=grtol)
+    torch.testing.assert_close(bn.bias.grad.double(), b_ref.grad, atol=gatol, rtol=grtol)
+    # Buffers: the oracle's update rounded once to the buffers' dtype; to bf16 within one unit in the last
+    # place, since Triton's interpreter truncates fp32 to bf16 where a GPU rounds to nearest.
+    btol = 2.0**-7 if dtype == torch.bfloat16 and backend_name == "triton" else 0.0
+    torch.testing.assert_close(bn.running_mean, rm_ref.to(dtype), atol=0, rtol=btol)
+    torch.testing.assert_close(bn.running_var, rv_ref.to(dtype), atol=0, rtol=btol)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])

@@ -232,6 +232,20 @@ def merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask,
 
 
 @triton.jit
+def rounded_for(v, ptr):
+    """``v`` (fp32 or fp64) rounded to ``ptr``'s element type, for a store.
+
+    fp64 reaches bf16 through fp32: Triton's interpreter (3.6 to 3.9) converts fp64 straight to bf16
+    wrongly (tiny or NaN values), which would corrupt a bf16 module's running statistics and weight
+    and bias gradients on CPU. Compiled, the two roundings agree but in the rarest ties, and torch
+    itself computes a bf16 module's updates in fp32.
+    """
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return v.to(tl.float32).to(tl.bfloat16)
+    return v.to(ptr.dtype.element_ty)
+
+
+@triton.jit
 def channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING: tl.constexpr):
     """Per-channel ``(mean, biased var)`` in fp64, and the count (a scalar).
 

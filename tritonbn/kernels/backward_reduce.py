@@ -30,6 +30,7 @@ from tritonbn.kernels._common import (
     lane_channels,
     merge_tree,
     per_lane,
+    rounded_for,
     split_mean,
     store_partials,
     tile_mask,
@@ -177,9 +178,9 @@ def _batch_norm_backward_reduce_kernel(
         tl.store(sums_ptr + cols, sum_dz.to(sums_ptr.dtype.element_ty), mask=c_mask)
         tl.store(sums_ptr + C + cols, sum_dzx.to(sums_ptr.dtype.element_ty), mask=c_mask)
         if HAS_GW:
-            tl.store(gw_ptr + cols, sum_dzx.to(gw_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(gw_ptr + cols, rounded_for(sum_dzx, gw_ptr), mask=c_mask)
         if HAS_GB:
-            tl.store(gb_ptr + cols, sum_dz.to(gb_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(gb_ptr + cols, rounded_for(sum_dz, gb_ptr), mask=c_mask)
 
 
 def aux_tensor(activation, residual, output, negative_slope) -> tuple[torch.Tensor | None, int]:

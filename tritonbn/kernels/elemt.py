@@ -34,6 +34,7 @@ from tritonbn.kernels._common import (
     channel_stats,
     lane_channels,
     per_lane,
+    rounded_for,
     split_mean,
     take_ticket,
     tile_mask,
@@ -138,8 +139,8 @@ def _batch_norm_elemt_kernel(
             rv = tl.load(rvar_ptr + cols, mask=um, other=0.0).to(tl.float64)
             rm = rm * (1.0 - factor) + mean64 * factor
             rv = rv * (1.0 - factor) + unbiased * factor
-            tl.store(rmean_ptr + cols, rm.to(rmean_ptr.dtype.element_ty), mask=um)
-            tl.store(rvar_ptr + cols, rv.to(rvar_ptr.dtype.element_ty), mask=um)
+            tl.store(rmean_ptr + cols, rounded_for(rm, rmean_ptr), mask=um)
+            tl.store(rvar_ptr + cols, rounded_for(rv, rvar_ptr), mask=um)
             if HAS_NBT:
                 if take_ticket(ticket_ptr) == tl.num_programs(0) - 1:
                     tl.store(nbt_ptr, nbt + tl.where(n_all > 0, 1, 0).to(tl.int64))
