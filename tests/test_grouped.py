@@ -10,10 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from oracle import PARAM_GRAD_TOL, TOLERANCES
 
 import tritonbn
 from tritonbn.kernels import _layout
+from tritonbn.kernels._common import segment_sums
 from tritonbn.kernels._layout import plan, planned_as
 
 
@@ -120,3 +123,26 @@ def test_resnet50_odd_planes_plan_grouped_on_gpu(shape):
     other = torch.empty(32, 24, 7, 7)  # C * 49 not a multiple of 16: the plane-by-plane walk
     with planned_as("cuda", 132):
         assert plan(other.shape, other).PLANE == 0
+
+
+@triton.jit
+def _segment_sums_kernel(v_ptr, s_ptr, o_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, segment_sums(tl.load(v_ptr + i), tl.load(s_ptr + i)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_segmented_scan_adds_left_to_right(dtype):
+    """The grouped plans' segmented sum (in NumPy under tests/fast_interpreter.py) restarts at each
+    flagged lane and otherwise adds in lane order: the same bits as a plain left-to-right loop."""
+    g = torch.Generator().manual_seed(3)
+    values = (torch.randn(256, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+    starts = (torch.rand(256, generator=g) < 0.1).to(torch.int32)
+    starts[0] = 0  # the first lane starts a segment, flagged or not
+    out = torch.empty_like(values)
+    _segment_sums_kernel[(1,)](values, starts, out, 256)
+    want = values.clone()
+    for i in range(1, 256):
+        if not starts[i]:
+            want[i] = want[i - 1] + values[i]
+    assert torch.equal(out, want)
