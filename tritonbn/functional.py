@@ -405,10 +405,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         need_r = need_r and ctx.has_residual
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True: see higher_order
-            layer = Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope,
-                          _resolve_name(ctx.group_name))  # fmt: skip
-            grads = higher_order.backward(layer, ctx.eps, grad_out, x, weight, bias, mean, invstd, residual, output,
-                                          (need_x, need_w, need_b, need_r))  # fmt: skip
+            grads = higher_order.backward(_ctx_layer(ctx), ctx.eps, grad_out, x, weight, bias, mean, invstd, residual,
+                                          output, (need_x, need_w, need_b, need_r))  # fmt: skip
             return grads + (None,) * 10
         dx, dw, db, dr = torch.ops.tritonbn.batch_norm_backward(
             grad_out, x, weight, bias, mean, invstd, stats, residual, output, ctx.training, ctx.activation,
@@ -427,8 +425,12 @@ class SyncBatchNormFunctionForwardAD(SyncBatchNormFunction):
 
     @staticmethod
     def jvp(ctx, tx, tw, tb, tr, *_):
-        layer = Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope, _resolve_name(ctx.group_name))
-        return higher_order.jvp(layer, ctx.eps, *ctx.for_jvp[:6], ctx.for_jvp[6], None, tx, tw, tb, tr)
+        return higher_order.jvp(_ctx_layer(ctx), ctx.eps, *ctx.for_jvp, None, tx, tw, tb, tr)
+
+
+def _ctx_layer(ctx) -> Layer:
+    """The :class:`Layer` that :mod:`tritonbn.higher_order` needs, from what the custom-op Function saved."""
+    return Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope, _resolve_name(ctx.group_name))
 
 
 # --- The eager path: an autograd Function straight over the launchers, no custom-op dispatch. ---------
@@ -459,7 +461,7 @@ class EagerBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tx, tw, tb, tr, _):
         layer = ctx.spec[1]
-        return higher_order.jvp(layer, layer.eps, *ctx.for_jvp[:6], ctx.for_jvp[6], None, tx, tw, tb, tr)
+        return higher_order.jvp(layer, layer.eps, *ctx.for_jvp, None, tx, tw, tb, tr)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -134,10 +134,6 @@ class Plan:
         return (self.c_blocks, self.r_progs)
 
     @property
-    def merge_group(self) -> int:
-        return self.G
-
-    @property
     def merge_groups(self) -> int:
         """Level-2 partial rows per channel block (1 when the merge is one level)."""
         return -(-self.r_progs // self.G)
@@ -151,14 +147,6 @@ class Plan:
     def merge_scratch(self) -> int:
         """float64 scratch values of a reducing launch: ``(2, r_progs, C)`` partials, then ``(2, groups, C)``."""
         return 2 * (self.r_progs + self.merge_groups) * self.C
-
-    @property
-    def tail_rows(self) -> int:
-        """Partial rows the last program to finish reads, in series, after its main loop: its group's
-        rows, then (two-level) the level-2 rows."""
-        groups = self.merge_groups
-        last_group = self.r_progs - (groups - 1) * self.G
-        return max(self.G, last_group) + (groups if groups > 1 else 0)
 
 
 class Workspace:
@@ -300,6 +288,7 @@ def _plan_cached(
     inner_tiles = max(1, -(-inner_size // BLOCK_I))
     tiles = outer * inner_tiles if inner_size else 0
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind)
+    G = _merge_group(r_progs)
     VEC = _vector_hint(inner_size, strides)
     return Plan(
         C=C,
@@ -320,10 +309,10 @@ def _plan_cached(
         # or the inner size cut short gets 4 warps.
         num_warps=8 if BLOCK_C * BLOCK_I >= 2048 * tile_scale else 4,
         VEC=VEC,
-        BLOCK_R=_merge_rows(_merge_group(r_progs), BLOCK_C),
+        BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=0,
         GROUP=BLOCK_C,
-        G=_merge_group(r_progs),
+        G=G,
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
         stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
     )
@@ -381,6 +370,7 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> P
     c_blocks = -(-C // group)
     tiles = outer
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind)
+    G = _merge_group(r_progs)
     return Plan(
         C=C,
         O1=1,
@@ -398,10 +388,10 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> P
         use_int64=max_offset > _INT32_MAX or tiles * tile > _INT32_MAX,
         num_warps=8 if tile >= _GPU_TILE else 4,
         VEC=vec,
-        BLOCK_R=_merge_rows(_merge_group(r_progs), BLOCK_C),
+        BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=plane,
         GROUP=group,
-        G=_merge_group(r_progs),
+        G=G,
         size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
         # As they are: a tile starts at o * stride_o0 + pid_c * GROUP * PLANE (see _common.tile_rows),
         # whose alignment Triton sees from its hint on the stride and from the constexprs.

@@ -288,6 +288,6 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
     )
-    tail = (*layout.size_args, R, layout.merge_group, *layout.stride_args, float(negative_slope))
+    tail = (*layout.size_args, R, layout.G, *layout.stride_args, float(negative_slope))
     return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
                   tickets=layout.merge_tickets, scratch=layout.merge_scratch)  # fmt: skip

@@ -178,6 +178,6 @@ def _launch(x: torch.Tensor) -> Launch:
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
     )
-    tail = (*layout.size_args, R, layout.merge_group, x.numel() // C, *layout.stride_args)
+    tail = (*layout.size_args, R, layout.G, x.numel() // C, *layout.stride_args)
     return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=4,
                   tickets=layout.merge_tickets, scratch=layout.merge_scratch)  # fmt: skip
