@@ -11,6 +11,9 @@ with Triton's own generated binder for a CUDA sm_90 backend (``create_function_f
 code a real launch runs), so pointer and integer alignment (divisibility by 16) and integers equal to
 1 are specialized exactly as a launch would, and records kernel, grid, signature, constexprs,
 attributes and options. Nothing is launched. Kernels are found from the launches, not listed here.
+A launch's first call compiles its kernel unlaunched (``JITFunction.warmup``) to fit its grid to the
+kernel's occupancy (see ``tritonbn.kernels._launch``): the recorder answers it with the registers and
+shared memory of the sm_90 compilation, so the grids recorded are the fitted ones a GPU would run.
 
 **Compile.** ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
 options=...)`` with the launch's own options (num_warps and the rest), once per distinct
@@ -36,7 +39,8 @@ and for the **main loop**:
   number of such ends (0 without loads);
 * ``sass_per_element``: instructions in the loop body / elements per thread per iteration, the
   tile (``BLOCK_C * BLOCK_I``; ``BLOCK_I`` for a grouped plan, ``PLANE > 0``, whose tile is one row;
-  else the product of the ``BLOCK_*`` constexprs) over num_warps * 32.
+  else the product of the ``BLOCK_*`` constexprs), times ``UNROLL`` (tiles a step) where the kernel
+  takes it, over num_warps * 32.
 
 and, for the kernels that merge per-program partials after their main loop (statistics, backward
 reduction), **the merge tail**: ``tail_bytes``, ``tail_rows``, ``tail_iterations`` and ``tail_levels``
@@ -68,6 +72,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import types
 import warnings
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -87,8 +92,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from resnet50 import distinct_bn_shapes  # noqa: E402
 
-# sm_90 (H100/H200) limits per SM.
-SM90 = {"regs": 65536, "reg_unit": 256, "warps": 64, "smem": 228 * 1024, "smem_per_block": 1024, "blocks": 32}
+from tritonbn.kernels._launch import SM90, resident_limits  # noqa: E402
+
 MODES = ("train_forward", "backward", "eval_forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("contiguous", "channels_last")
@@ -147,8 +152,11 @@ class Launch:
 
 
 @contextlib.contextmanager
-def captured_launches(target: GPUTarget):
-    """Record every Triton launch instead of running it, specialized for ``target`` as a launch would be."""
+def captured_launches(target: GPUTarget, compiled: dict):
+    """Record every Triton launch instead of running it, specialized for ``target`` as a launch would be.
+
+    A warmup (an unlaunched compile) is compiled for ``target`` (kept in ``compiled``, by launch key) and
+    answered with its registers and shared memory, which is what tritonbn reads of a compiled kernel."""
     backend = make_backend(target)
     binders: dict[int, object] = {}
     launches: list[Launch] = []
@@ -167,8 +175,15 @@ def captured_launches(target: GPUTarget):
         if callable(grid):
             grid = grid(bound_args)
         scalars = {k: v for k, v in bound_args.items() if isinstance(v, int) and not isinstance(v, bool)}
-        launches.append(Launch(self, tuple(int(g) for g in grid), signature, constexprs, attrs, dict(options.__dict__),
-                               scalars))  # fmt: skip
+        launch = Launch(
+            self, tuple(int(g) for g in grid), signature, constexprs, attrs, dict(options.__dict__), scalars
+        )
+        if warmup:
+            row = read_compiled(launch, target, compiled)
+            return types.SimpleNamespace(
+                n_regs=row["registers"], metadata=types.SimpleNamespace(shared=row["shared_bytes"])
+            )
+        launches.append(launch)
         return None
 
     JITFunction.run = record
@@ -191,14 +206,14 @@ def triton_backend_on_cpu():
         backend._triton_unusable = original
 
 
-def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget):
+def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget, compiled: dict):
     """``{mode: [Launch]}`` of one ``tritonbn.SyncBatchNorm`` layer: training forward, backward, eval forward."""
     import tritonbn
     from tritonbn.kernels._layout import planned_as
 
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     out = {}
-    with triton_backend_on_cpu(), planned_as("cuda", SM_COUNT), captured_launches(target) as launches:
+    with triton_backend_on_cpu(), planned_as("cuda", SM_COUNT), captured_launches(target, compiled) as launches:
         bn = tritonbn.SyncBatchNorm(shape[1])  # fp32 parameters, as under autocast
         x = torch.empty(shape, dtype=dtype, memory_format=memory_format).requires_grad_()
         y = bn(x)
@@ -451,14 +466,8 @@ def loop_metrics(insns: list[Insn], loop: tuple[int, int] | None, elements_per_t
 
 
 def max_warps_per_sm(registers: int, num_warps: int, shared: int) -> tuple[int, str]:
-    """Resident warps per SM on sm_90 and what limits them."""
-    regs_per_warp = math.ceil(max(registers, 1) * 32 / SM90["reg_unit"]) * SM90["reg_unit"]
-    limits = {
-        "registers": (SM90["regs"] // regs_per_warp) // num_warps,
-        "threads": SM90["warps"] // num_warps,
-        "shared memory": SM90["smem"] // (shared + SM90["smem_per_block"]),
-        "blocks": SM90["blocks"],
-    }
+    """Resident warps per SM on sm_90 and what limits them (the limits tritonbn fits its grids to)."""
+    limits = resident_limits(registers, num_warps, shared, SM90)
     limiter = min(limits, key=limits.get)
     return limits[limiter] * num_warps, limiter
 
@@ -472,12 +481,23 @@ _PTXAS = {
 
 
 def tile_elements(constexprs: dict) -> int:
+    """Elements one step of the main loop covers: its tile, times ``UNROLL`` tiles a step where given."""
+    unroll = int(constexprs.get("UNROLL", 1) or 1)
     if int(constexprs.get("PLANE", 0) or 0) > 0:  # a grouped plan: one row of BLOCK_I lanes
-        return int(constexprs["BLOCK_I"])
+        return int(constexprs["BLOCK_I"]) * unroll
     if "BLOCK_C" in constexprs and "BLOCK_I" in constexprs:
-        return int(constexprs["BLOCK_C"]) * int(constexprs["BLOCK_I"])
+        return int(constexprs["BLOCK_C"]) * int(constexprs["BLOCK_I"]) * unroll
     blocks = [int(v) for k, v in constexprs.items() if k.startswith("BLOCK")]
     return math.prod(blocks) if blocks else 1
+
+
+def read_compiled(launch: Launch, target: GPUTarget, cache: dict) -> dict:
+    """:func:`compile_and_read` of ``launch``'s specialization, once per distinct one (``cache``, by key)."""
+    key = launch.key()
+    if key not in cache:
+        cache[key] = compile_and_read(launch.fn, launch.signature, launch.constexprs, launch.attrs, launch.options,
+                                      target)  # fmt: skip
+    return cache[key]
 
 
 def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, target) -> dict:
@@ -535,15 +555,11 @@ def audit(shapes, dtypes, layouts, target, log=print) -> tuple[list[dict], int]:
     for shape in shapes:
         for dtype_name in dtypes:
             for layout in layouts:
-                passes = module_passes(shape, DTYPES[dtype_name], layout, target)
+                passes = module_passes(shape, DTYPES[dtype_name], layout, target, cache)
                 for mode in MODES:
                     launches = passes[mode]
                     for k, launch in enumerate(launches):
-                        key = launch.key()
-                        if key not in cache:
-                            cache[key] = compile_and_read(
-                                launch.fn, launch.signature, launch.constexprs, launch.attrs, launch.options, target
-                            )
+                        compiled = read_compiled(launch, target, cache)
                         named = launch.named_constexprs()
                         rows.append({
                             "kernel": launch.name,
@@ -556,7 +572,7 @@ def audit(shapes, dtypes, layouts, target, log=print) -> tuple[list[dict], int]:
                             "num_warps": int(launch.options["num_warps"]),
                             "blocks": {n: int(v) for n, v in named.items() if n.startswith("BLOCK")},
                             "constexprs": {n: _plain(v) for n, v in named.items() if not n.startswith("BLOCK")},
-                            **cache[key],
+                            **compiled,
                             **tail_metrics(launch),
                         })  # fmt: skip
                 n = sum(len(v) for v in passes.values())
@@ -816,32 +832,46 @@ def _a(name: str) -> float:
 def model_launch(r: dict) -> dict:
     """Modeled time of one launch, in microseconds, and its parts.
 
-    main = max(HBM bytes / copy bandwidth, SASS issue, Little's law), then + tail + fixed cost:
+    The grid runs in waves of ``resident = sms * (max_warps_per_sm // num_warps)`` programs (the
+    last wave may be partial). Each wave takes the largest of three bounds, then the launch adds the
+    merge tail and a fixed cost:
 
-    * issue: ``sass_per_element * elements / 32`` warp instructions over ``sms * issue_per_sm_clock * clock``;
-    * Little's law: bytes in flight = active SMs * resident warps * 32 threads * the main loop's load bytes
-      per thread per iteration (its global loads at their vector width), over ``dram_latency_s``;
+    * HBM: the wave's bytes (read and written) at the copy bandwidth;
+    * Little's law: one program keeps ``num_warps * 32`` threads times its main loop's load bytes per
+      thread per iteration (its global loads at their vector width) in flight, so it reads its share
+      in ``share / in_flight * dram_latency_s`` however few programs run beside it: a partial last
+      wave takes as long as a full one unless HBM bounds the full one;
+    * issue: ``sass_per_element * elements / 32`` warp instructions of the wave's programs on the SM
+      that holds most of them, at ``issue_per_sm_clock * clock``;
     * tail: ``tail_bytes / merge_bw_per_sm + tail_levels * merge_level_s`` (0 for kernels without a merge).
+
+    ``hbm_us``, ``little_us`` and ``issue_us`` are each bound summed over the waves; ``main_us`` the
+    waves' maxima, summed.
     """
     numel = math.prod(int(v) for v in r["shape"].split("x"))
     reads, writes = KERNEL_TENSORS[r["kernel"]]
-    bytes_read = reads * numel * ITEMSIZE[r["dtype"]]
-    bytes_all = (reads + writes) * numel * ITEMSIZE[r["dtype"]]
-    hbm = bytes_all / _a("hbm_copy_bw")
-    issue = (r["sass_per_element"] or 0) * numel / 32 / (_a("sms") * _a("issue_per_sm_clock") * _a("clock_hz"))
+    itemsize = ITEMSIZE[r["dtype"]]
     programs = math.prod(r["grid"])
-    per_sm = min(r["max_warps_per_sm"], -(-programs // int(_a("sms"))) * r["num_warps"])
-    active_sms = min(_a("sms"), programs)
+    sms = int(_a("sms"))
+    resident = sms * max(1, r["max_warps_per_sm"] // r["num_warps"])
+    waves = [resident] * (programs // resident) + ([programs % resident] if programs % resident else [])
     load_bytes = (r["loop_global_loads"] or 0) * (r["load_vector_bits"] or 32) / 8
-    in_flight = active_sms * per_sm * 32 * load_bytes
-    little = bytes_read / (in_flight / _a("dram_latency_s")) if in_flight else 0.0
+    program_in_flight = r["num_warps"] * 32 * load_bytes
+    issue_rate = _a("issue_per_sm_clock") * _a("clock_hz")  # warp instructions per second on one SM
+    per_program = numel / programs  # elements
+    hbm = little = issue = main = 0.0
+    for n in waves:
+        h = n * per_program * (reads + writes) * itemsize / _a("hbm_copy_bw")
+        lt = per_program * reads * itemsize / program_in_flight * _a("dram_latency_s") if program_in_flight else 0.0
+        iss = (r["sass_per_element"] or 0) * per_program / 32 * -(-n // sms) / issue_rate
+        hbm, little, issue, main = hbm + h, little + lt, issue + iss, main + max(h, lt, iss)
     tail_bytes_s = (r.get("tail_bytes") or 0) / _a("merge_bw_per_sm")
     tail = tail_bytes_s + (r.get("tail_levels") or 0) * _a("merge_level_s")
-    main = max(hbm, issue, little)
-    bound = {hbm: "hbm", issue: "issue", little: "little"}[main]
+    bound = {hbm: "hbm", issue: "issue", little: "little"}[max(hbm, issue, little)]
     us = 1e6
-    return {"hbm_us": hbm * us, "issue_us": issue * us, "little_us": little * us, "bound": bound,
-            "tail_us": tail * us, "tail_bytes_us": tail_bytes_s * us, "fixed_us": _a("launch_fixed_s") * us,
+    return {"hbm_us": hbm * us, "issue_us": issue * us, "little_us": little * us, "main_us": main * us,
+            "bound": bound, "waves": round(programs / resident, 3), "tail_us": tail * us,
+            "tail_bytes_us": tail_bytes_s * us, "fixed_us": _a("launch_fixed_s") * us,
             "modeled_us": (main + tail + _a("launch_fixed_s")) * us}  # fmt: skip
 
 
@@ -892,8 +922,9 @@ def model_markdown(m: dict, quick: bool) -> str:
         "",
         f"`python benchmarks/kernel_audit.py --model{' --quick' if quick else ''}`: batch 32, forward+backward of "
         "every BatchNorm layer (each shape weighted by its count), against the HBM floor (8 activation-sized "
-        "tensors per layer at the assumed copy bandwidth). Per launch: the larger of HBM bytes at the copy "
-        "bandwidth, SASS issue and a Little's-law bound from the bytes in flight, plus the merge tail and a "
+        "tensors per layer at the assumed copy bandwidth). Per launch, wave by wave (the programs one SM "
+        "holds at the kernel's occupancy, on every SM): the larger of HBM bytes at the copy bandwidth, SASS "
+        "issue and a Little's-law bound from each program's bytes in flight; then the merge tail and a "
         "fixed cost. Merge tails: their bytes at one SM's bandwidth (the issue's measure); main loops: the "
         "larger of the three bounds, summed; tails with levels: the tails' bytes plus each merge level's "
         "latency; fixed: the per-launch cost.",

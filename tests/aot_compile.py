@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 def _compile_plan(base, pointers, target, int64, activations, residuals, auxes) -> int:
     """Every kernel for one plan's constexprs; returns how many specializations were compiled."""
     count = 0
-    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32), target, int64)
+    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32, UNROLL=2), target, int64)
     count += 1
     if base["PLANE"]:  # a grouped plan: one representative variant of each kernel
         activations, residuals, auxes = activations[-1:], residuals[-1:], auxes[-1:]
@@ -90,7 +90,7 @@ def _compile_plan(base, pointers, target, int64, activations, residuals, auxes) 
         count += 1
         for aux in auxes:
             reduce = dict(base, HAS_WEIGHT=True, HAS_BIAS=True, ACTIVATION=act, AUX=aux)
-            final = dict(reduce, HAS_GW=True, HAS_GB=True, BLOCK_R=32)
+            final = dict(reduce, HAS_GW=True, HAS_GB=True, BLOCK_R=32, UNROLL=2 if base["PLANE"] else 1)
             _compile(backward_reduce._batch_norm_backward_reduce_kernel, pointers, final, target, int64)
             grad = dict(reduce, TRAINING=training, WRITE_DX=True, WRITE_DR=residual)
             _compile(backward_elemt._batch_norm_backward_elemt_kernel, pointers, grad, target, int64)

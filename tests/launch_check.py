@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import warnings
+from types import SimpleNamespace
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("launch_check: run without TRITON_INTERPRET (the check needs Triton's JIT path)")
@@ -58,15 +59,19 @@ class FakeDriver:
 
 
 RECORDS: list[tuple] = []
+FAKE_REGISTERS = 80
 
 
 class FakeCompiled:
-    """One compiled kernel per Triton cache key and device; its C launcher records its call."""
+    """One compiled kernel per Triton cache key and device; its C launcher records its call. It reports
+    FAKE_REGISTERS registers and no shared memory, which is what a launch fits its grid to."""
 
     def __init__(self, fn, key, device):
         self.fn, self.key, self.device = fn, key, device
         self.function = object()  # a distinct handle per kernel, as cuModuleGetFunction gives
         self.packed_metadata = object()
+        self.n_regs = FAKE_REGISTERS
+        self.metadata = SimpleNamespace(shared=0)
 
     def launch_metadata(self, grid, stream, *args):
         return None
@@ -85,7 +90,7 @@ def fake_compile(self, key, signature, device, constexprs, options, attrs, warmu
 
 REAL_CALL = _launch.Launch.__call__
 COUNTER = None  # the CountingRun installed as JITFunction.run
-STATS = {"launches": 0, "direct": 0, "through_triton": 0, "mismatches": [], "kernels": set()}
+STATS = {"launches": 0, "direct": 0, "through_triton": 0, "mismatches": [], "kernels": set(), "fits": []}
 
 
 def same(a, b) -> bool:
@@ -105,8 +110,13 @@ def checked_call(self, *pointers):
     STATS["launches"] += 1
     before = len(RECORDS)
     runs = COUNTER.calls
+    unfitted = self.grid if self.refit is not None else None
     REAL_CALL(self, *pointers)
-    direct = COUNTER.calls == runs
+    if unfitted is not None:  # this first launch fitted the plan: it must already run the fitted grid
+        STATS["fits"].append({"kernel": self.fn.__name__, "unfitted": unfitted, "fitted": self.grid,
+                              "launched": RECORDS[-1][1][:2], "num_warps": self.options["num_warps"],
+                              "refit_left": self.refit is not None})  # fmt: skip
+    direct = unfitted is None and COUNTER.calls == runs  # a fitting launch compiles (JITFunction.warmup)
     STATS["direct" if direct else "through_triton"] += 1
     assert len(RECORDS) == before + 1, "the launch did not reach a C launcher exactly once"
     self.fn.run(*pointers, *self.scalars, grid=self.grid, warmup=False, **self.options)  # Triton's own path
@@ -212,6 +222,11 @@ def run_cases() -> list[str]:
         step(tritonbn.SyncBatchNorm(6), torch.randn(3, 6, 5, 4))
         covered.append(CASE)
     FakeDriver.device, FakeDriver.stream = 0, 0
+    CASE = "fitted to the occupancy (planned as on 132 SMs)"
+    with _layout.planned_as("cuda", 132):  # CPU tensors planned as for a GPU: launches fit their grids
+        x = torch.empty(32, 64, 56, 56).to(memory_format=torch.channels_last)
+        step(tritonbn.SyncBatchNorm(64), x)
+    covered.append(CASE)
     return covered
 
 
@@ -257,6 +272,7 @@ def main() -> int:
     backend._load_kernels()
     backend._triton_unusable = lambda x: None  # the kernels "run" on CPU tensors: only their launches are real
     _launch.Launch.__call__ = launch
+    _launch.device_sm = lambda index: _launch.SM90  # the fake devices are sm_90s (torch has no CUDA here)
     covered = run_cases()
     hooks = hooks_take_tritons_path()
     out = {
@@ -269,6 +285,8 @@ def main() -> int:
         "mismatch_count": len(STATS["mismatches"]),
         "hooks_take_tritons_path": hooks,
         "covered": covered,
+        "fits": STATS["fits"],
+        "fake_registers": FAKE_REGISTERS,
     }
     print(json.dumps(out, indent=1))
     return 0

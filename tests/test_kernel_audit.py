@@ -18,10 +18,12 @@ MAX_REGISTERS = 128
 # The merge tail (see tritonbn.kernels._common.merge_tree). A flat merge reads R rows after the last main
 # loop; the two-level one at most 2 * ceil(sqrt(R)) (all of them up to 16 programs, by design).
 FLAT_MERGE_ROWS = 16
-# Bytes of the tail per launch as planned on a 132-SM GPU: two-level chains of up to 2 * 23 rows (R <= 4 * 132)
-# of 128 channels * 2 fp64 are 92 KiB, about 0.63 us at the 150 GB/s one SM reads (the model's assumption);
-# 106 such tails (the 53 layers' statistics and backward reductions) would be 5% of the ResNet-50 floor
-# (1.32 ms), which the model checks with the real tails. A flat merge of 523 programs reads 1 MiB.
+# Bytes of the tail per launch as planned on a 132-SM GPU. A grid is one wave at the kernel's occupancy:
+# at most 4 programs of 8 warps per SM (<= 64 registers) for the 128-channel blocks of channels_last, so
+# two-level chains of up to 2 * 23 rows (R <= 4 * 132) of 128 channels * 2 fp64: 92 KiB, about 0.63 us
+# at the 150 GB/s one SM reads (the model's assumption); 106 such tails (the 53 layers' statistics and
+# backward reductions) would be 5% of the ResNet-50 floor (1.32 ms), which the model checks with the
+# real tails. A flat merge of 523 programs reads 1 MiB.
 MAX_TAIL_BYTES = 96 * 1024
 
 
@@ -102,6 +104,18 @@ def test_one_round_trip_and_two_launches_per_training_pass(quick_audit):
     stats = [r for r in loops if r["kernel"] == "_batch_norm_stats_kernel"]
     assert {r["layout"] for r in stats} == {"contiguous", "channels_last"}
     assert max(r["sass_per_element"] for r in stats) <= 8, stats
+
+
+def test_grids_are_one_wave(quick_audit):
+    """Each launch fitted its grid to its compiled kernel's occupancy (tritonbn.kernels._launch): at most
+    one wave of programs on 132 SMs, unless the channel blocks alone are more, and the model runs it in
+    one wave."""
+    rows, _, m = quick_audit
+    for r, launch in zip(rows, m["launches"], strict=True):
+        wave = 132 * (r["max_warps_per_sm"] // r["num_warps"])
+        c_blocks, r_progs = r["grid"]
+        assert c_blocks * r_progs <= wave or r_progs == 1, r
+        assert launch["waves"] <= 1 or r_progs == 1, launch
 
 
 def _tail_violations(rows):

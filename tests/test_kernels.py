@@ -87,3 +87,40 @@ def test_backend_switch(monkeypatch):
     monkeypatch.setenv("TRITONBN_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 .* or use TRITONBN_BACKEND=torch"):
         tritonbn.sync_batch_norm(torch.randn(4, 3, device="cpu"), None, None, training=True)
+
+
+def _odd_chunk(p) -> bool:
+    """Whether some program of the plan walks an odd number of tiles."""
+    return any(min(p.tiles_per_prog, p.tiles - k * p.tiles_per_prog) % 2 for k in range(p.r_progs))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("shape", "layout", "cpu_tile"), [((5, 8, 9, 9), "channels_last", 8),
+                                                           ((11, 32, 14, 14), "contiguous", 2048)])  # fmt: skip
+def test_two_tiles_a_step(monkeypatch, dtype, shape, layout, cpu_tile):
+    """The reductions' main loops that take two tiles a step (statistics always; the fp16/bf16 backward
+    reduction on channels_last and grouped 14x14 plans), over programs with an odd number of tiles (the
+    last step's second tile lies past the chunk, masked whole): sums against float64."""
+    from tritonbn.kernels import _layout, backward_reduce, batch_norm_backward_reduce, batch_norm_stats
+
+    monkeypatch.setattr(_layout, "_CPU_TILE", cpu_tile)
+    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 8)
+    _layout.clear_caches()
+    torch.manual_seed(7)
+    x = make_layout((torch.randn(shape) * 2 + 5).to(dtype), layout)
+    dy = make_layout(torch.randn(shape).to(dtype), layout)
+    p = plan(x.shape, dy, x, x)
+    assert backward_reduce._unroll(x, p) == 2 and _odd_chunk(p) and p.tiles_per_prog > 1, p
+    assert _odd_chunk(plan(x.shape, x, tile_scale=2))
+    xd, dims = x.double(), (0, *range(2, x.dim()))
+    stats = batch_norm_stats(x)
+    torch.testing.assert_close(stats[: shape[1]], xd.sum(dims), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(stats[shape[1] : -1], (xd * xd).sum(dims), atol=1e-6, rtol=1e-6)
+    mean = xd.mean(dims)
+    invstd = (xd.var(dims, unbiased=False) + 1e-5).rsqrt().float()
+    sums, _, _ = batch_norm_backward_reduce(dy, x, mean, invstd, None)
+    view = (1, shape[1], *[1] * (len(shape) - 2))
+    xhat = (xd - mean.view(view)) * invstd.double().view(view)
+    torch.testing.assert_close(sums[0].double(), dy.double().sum(dims), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(sums[1].double(), (dy.double() * xhat).sum(dims), atol=1e-5, rtol=1e-6)
+    _layout.clear_caches()

@@ -5,16 +5,22 @@ the kernels under the interpreter, which has no compiled kernels) and, for every
 forward, backward and eval, compares the direct call with Triton's: the same ``CompiledKernel`` (the
 one Triton's cache key selects), grid, stream and argument tuple. The cases cover fp32, fp16, bf16
 and fp64; contiguous, channels_last, channels_last_3d and 2-D inputs; a view off 16-byte alignment;
-a grouped plan (7x7 NCHW) with a fused residual and relu; int64 offsets; two devices and two streams.
+a grouped plan (7x7 NCHW) with a fused residual and relu; int64 offsets; two devices and two streams;
+and a layer planned as on a 132-SM GPU, whose launches fit their grids to the fake kernels' occupancy.
 """
 
+import functools
 import json
 import os
 import pathlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from tritonbn.kernels._launch import SM90, Launch, programs_per_sm
 
 SCRIPT = pathlib.Path(__file__).parent / "launch_check.py"
 
@@ -41,9 +47,75 @@ def test_cases_take_the_direct_path(check):
     """Every plan's first launch finds its kernel through Triton; the repeats launch it directly."""
     assert check["direct"] >= check["launches"] // 3, check
     assert check["through_triton"] > 0
-    assert len(check["covered"]) == 4 * 4 + 6, check["covered"]
+    assert len(check["covered"]) == 4 * 4 + 7, check["covered"]
 
 
 def test_a_launch_hook_takes_tritons_path(check):
     """A profiler's launch hook (proton's, say) must see every launch: those go through ``JITFunction.run``."""
     assert check["hooks_take_tritons_path"]
+
+
+def test_programs_per_sm():
+    """sm_90 occupancy in programs: registers are given out per warp in units of 256, at most 2048
+    threads and 228 KB of shared memory (1 KB reserved per block) per SM."""
+    assert programs_per_sm(80, 8, 0) == 3  # 80 * 32 = 2560 per warp: 25 warps, 3 programs of 8
+    assert programs_per_sm(81, 8, 0) == 2  # 88 * 32 = 2816 per warp: 23 warps
+    assert programs_per_sm(72, 8, 0) == 3
+    assert programs_per_sm(128, 8, 0) == 2
+    assert programs_per_sm(80, 4, 0) == 6
+    assert programs_per_sm(32, 4, 0) == 16  # threads: 2048 / 128
+    assert programs_per_sm(32, 4, 50 * 1024) == 4  # shared memory: 228 KB / (50 KB + 1 KB)
+    assert programs_per_sm(255, 8, 0) == 1
+
+
+def test_first_launch_runs_the_fitted_grid(check):
+    """Planned as on a 132-SM GPU, every kernel's first launch compiles it unlaunched, reads its occupancy
+    (the fake kernels report 80 registers) and already launches the fitted grid: one wave, at most
+    132 * programs_per_sm programs, fewer than the plan made before the occupancy was known."""
+    fits = check["fits"]
+    assert {f["kernel"] for f in fits} == set(check["kernels"]), fits
+    for f in fits:
+        wave = 132 * programs_per_sm(check["fake_registers"], f["num_warps"], 0)
+        assert f["launched"] == f["fitted"] and not f["refit_left"], f
+        assert f["fitted"][0] * f["fitted"][1] <= wave < f["unfitted"][0] * f["unfitted"][1], f
+
+
+class _FakeKernel:
+    """A kernel whose unlaunched compiles (``warmup``) report the given register counts in turn."""
+
+    arg_names = ["a_ptr", "n", "BLOCK"]
+    __name__ = "_fake_kernel"
+
+    def __init__(self, registers):
+        self.registers, self.grids = list(registers), []
+
+    def warmup(self, *args, grid, **options):
+        self.grids.append(grid)
+        return SimpleNamespace(n_regs=self.registers.pop(0), metadata=SimpleNamespace(shared=0))
+
+
+def _fake_launch(fn, per_sm=None, tickets_per_program=1):
+    """A launch of ``fn`` planned as one wave of ``per_sm`` programs per SM (8 before the occupancy is known)."""
+    programs = 132 * (per_sm or 8)
+    refit = None if per_sm else functools.partial(_fake_launch, fn, tickets_per_program=tickets_per_program)
+    return Launch(fn, (1, programs), (7,), {"BLOCK": 4}, 8, pointers=1,
+                  tickets=programs * tickets_per_program, refit=refit)  # fmt: skip
+
+
+def test_fit_follows_the_occupancy_down():
+    """The fitted plan compiles to a kernel with more registers (60, then 80): it is fitted again, to
+    3 programs of 8 warps per SM, and stops when the occupancy holds."""
+    fn = _FakeKernel([60, 80, 80])
+    launch = _fake_launch(fn)
+    launch._fit((torch.empty(1),), SM90)
+    assert fn.grids == [(1, 132 * 8), (1, 132 * 4), (1, 132 * 3)]
+    assert launch.grid == (1, 132 * 3) and launch.tickets == 132 * 3 and launch.refit is None
+
+
+def test_fit_never_outgrows_the_workspace():
+    """A refit that would need more tickets than the first call was given is an error, not a corruption."""
+    fn = _FakeKernel([60])
+    launch = _fake_launch(fn)
+    launch.refit = functools.partial(_fake_launch, fn, tickets_per_program=4)
+    with pytest.raises(RuntimeError, match="tritonbn: _fake_kernel's fitted plan needs more workspace"):
+        launch._fit((torch.empty(1),), SM90)

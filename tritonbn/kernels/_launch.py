@@ -28,12 +28,20 @@ Triton's own path runs instead:
 * when Triton has no active GPU driver (``benchmarks/kernel_audit.py`` records launches on a machine
   without a GPU through Triton's path).
 
+**Occupancy.** Before the first launch of a plan on a GPU, a :class:`Launch` given ``refit`` compiles
+its kernel without launching it (``JITFunction.warmup``, as Triton's persistent-kernel tutorials do),
+reads its registers and shared memory, works out how many of its programs one SM holds
+(:func:`programs_per_sm`), and takes the plan ``refit`` makes for that occupancy: a grid of one wave,
+every program resident at once, instead of a last partial wave that keeps few bytes in flight. The
+first launch already runs the fitted plan, so every launch of a plan merges in the same order.
+
 Triton's compile options that it reads from the environment on each call (``TRITON_DEBUG``, the
 instrumentation mode) are read when a kernel is first found for a plan, as in inductor.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from functools import reduce
 
@@ -41,6 +49,8 @@ import torch
 import triton
 from triton import knobs
 from triton.runtime.driver import driver
+
+from tritonbn.kernels._layout import fits_occupancy
 
 # Triton versions whose JITFunction.run / CompiledKernel / C launcher layout the direct call follows
 # (checked in each release's runtime/jit.py, compiler/compiler.py, knobs.py and nvidia driver).
@@ -61,8 +71,57 @@ def direct_supported() -> bool:
 
 
 DIRECT = direct_supported()
+
+# What one SM holds, where the device does not say (and for plans made without a GPU, as the kernel
+# audit makes them): NVIDIA's figures for sm_90 (H100/H200; CUDA C++ Programming Guide, compute
+# capability 9.0). Registers are given out per warp in units of ``reg_unit``; the driver keeps
+# ``smem_per_block`` bytes of shared memory per resident block.
+SM90 = {"regs": 65536, "reg_unit": 256, "warps": 64, "smem": 228 * 1024, "smem_per_block": 1024, "blocks": 32}
+
+
+def resident_limits(registers: int, num_warps: int, shared: int, sm: dict = SM90) -> dict[str, int]:
+    """Programs of a kernel one SM holds at once, by what limits them (registers, threads, shared
+    memory, blocks), for ``registers`` per thread, ``num_warps`` warps and ``shared`` bytes per program."""
+    regs_per_warp = -(-max(registers, 1) * 32 // sm["reg_unit"]) * sm["reg_unit"]
+    return {
+        "registers": (sm["regs"] // regs_per_warp) // num_warps,
+        "threads": sm["warps"] // num_warps,
+        "shared memory": sm["smem"] // (shared + sm["smem_per_block"]),
+        "blocks": sm["blocks"],
+    }
+
+
+def programs_per_sm(registers: int, num_warps: int, shared: int, sm: dict = SM90) -> int:
+    """The occupancy in programs: the least of :func:`resident_limits` (at least 1)."""
+    return max(1, min(resident_limits(registers, num_warps, shared, sm).values()))
+
+
+@functools.cache
+def device_sm(index: int) -> dict:
+    """:data:`SM90`'s figures for CUDA device ``index``, from its properties where torch reports them."""
+    props = torch.cuda.get_device_properties(index)
+    return dict(
+        SM90,
+        regs=getattr(props, "regs_per_multiprocessor", SM90["regs"]),
+        warps=getattr(props, "max_threads_per_multi_processor", 32 * SM90["warps"]) // 32,
+        smem=getattr(props, "shared_memory_per_multiprocessor", SM90["smem"]),
+    )
+
+
 _data_ptr = torch.Tensor.data_ptr
 _hooks = knobs.runtime  # its launch hook chains: a hook set there must see every launch
+
+
+def refit_with(build, *args, device: torch.device):
+    """``per_sm -> build(*args, per_sm=per_sm)``, a :class:`Launch`'s ``refit``, when launches on ``device``
+    are planned for a GPU (else ``None``: nothing to fit). It holds ``args`` until the first launch."""
+    if not fits_occupancy(device):
+        return None
+    return functools.partial(_rebuild, build, args)
+
+
+def _rebuild(build, args: tuple, per_sm: int):
+    return build(*args, per_sm=per_sm)
 
 
 class Launch:
@@ -75,11 +134,11 @@ class Launch:
     every pointer's dtype, the flags. ``launch(*pointers)`` then launches the kernel.
     """
 
-    __slots__ = ("fn", "grid", "scalars", "options", "args_after", "compiled", "tickets", "scratch")
+    __slots__ = ("fn", "grid", "scalars", "options", "args_after", "compiled", "tickets", "scratch", "refit")
 
     def __init__(
         self, fn, grid: tuple[int, int], tail: tuple, constexprs: dict, num_warps: int, pointers: int,
-        tickets: int = 0, scratch: int = 0,
+        tickets: int = 0, scratch: int = 0, refit=None,
     ):  # fmt: skip
         self.fn = fn
         self.tickets = tickets  # ticket counters and float64 scratch values it needs from the workspace
@@ -97,6 +156,38 @@ class Launch:
             )
         self.args_after = tail + tuple(constexprs[name] for name in last)
         self.compiled: dict = {}
+        # refit(programs_per_sm) -> the Launch of the same kernel planned for that occupancy; used
+        # once, before the first launch on a GPU (see the module docstring). Its plan may ask for no
+        # more tickets or scratch than this one's.
+        self.refit = refit
+
+    def _fit(self, pointers: tuple, sm: dict) -> None:
+        """Take the plan ``refit`` makes for the compiled kernel's occupancy (compiling it, unlaunched).
+
+        A fitted plan can compile to another kernel (a merge tile that follows the grid), with more
+        registers: then it is fitted again to that one's occupancy, which only ever lowers it.
+        """
+        refit, self.refit = self.refit, None
+        planned = None  # programs per SM the current plan is made for (None: before the occupancy was known)
+        for _ in range(3):
+            compiled = self.fn.warmup(*pointers, *self.scalars, grid=self.grid, **self.options)
+            if compiled is None:
+                return
+            if hasattr(compiled, "_init_handles"):  # registers are known once the binary is loaded
+                compiled._init_handles()
+            registers = getattr(compiled, "n_regs", None)
+            if not registers:
+                return
+            per_sm = programs_per_sm(registers, self.options["num_warps"], compiled.metadata.shared, sm)
+            if planned is not None and per_sm >= planned:
+                return
+            new = refit(per_sm)
+            if new.tickets > self.tickets or new.scratch > self.scratch:
+                raise RuntimeError(f"tritonbn: {self.fn.__name__}'s fitted plan needs more workspace than it was given")
+            self.grid, self.scalars, self.options, self.args_after = new.grid, new.scalars, new.options, new.args_after
+            self.tickets, self.scratch = new.tickets, new.scratch
+            self.compiled = {}
+            planned = per_sm
 
     def __call__(self, *pointers: torch.Tensor) -> None:
         if DIRECT:
@@ -104,6 +195,8 @@ class Launch:
             try:
                 active = driver.active
             except RuntimeError:  # no GPU driver: Triton's own path decides (the kernel audit records it there)
+                if self.refit is not None:  # planned as for a GPU: the audit's recorder compiles for sm_90
+                    self._fit(pointers, SM90)
                 self.fn[self.grid](*pointers, *self.scalars, **self.options)
                 return
             device = active.get_current_device()
@@ -120,9 +213,13 @@ class Launch:
                 run(*self.grid, 1, active.get_current_stream(device), function, metadata, None, None, None,
                     *pointers, *self.args_after)  # fmt: skip
                 return
+            if self.refit is not None:
+                self._fit(pointers, device_sm(device))
             compiled = fn[self.grid](*pointers, *self.scalars, **self.options)
             if compiled is not None and hasattr(compiled, "packed_metadata"):
                 # Kept alive here: since Triton 3.8 a collected CompiledKernel unloads its module.
                 self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
             return
+        if self.refit is not None and not knobs.runtime.interpret:  # a Triton not in VERIFIED, on a GPU
+            self._fit(pointers, device_sm(torch.cuda.current_device()))
         self.fn[self.grid](*pointers, *self.scalars, **self.options)

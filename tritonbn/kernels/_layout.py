@@ -43,7 +43,11 @@ _CPU_PROGRAMS = 4
 # (current and prefetched) of fp64: 1024 keeps the reducing kernels at <= 80 registers (24 warps per SM);
 # 2048 took them to 98 (16 warps), which the main loop pays for (see benchmarks/kernel_audit.py).
 _MERGE_TILE = 1024
-_PROGRAMS_PER_SM = 4
+# Programs per SM a CUDA plan is made for before its kernel is compiled, and the most a fitted plan
+# asks for. A launch fits its plan to the compiled kernel's occupancy before its first launch (see
+# tritonbn.kernels._launch.Launch): then the grid is one wave, every program resident at once. No
+# fitted plan needs more tickets or scratch than the unfitted one, which the first call sized.
+_PROGRAMS_PER_SM = 8
 # Up to this many programs per channel block, the last one merges all their partials (one level);
 # past it the merge is two-level, in groups of about sqrt(programs) (see _common.merge_tree).
 _FLAT_MERGE = 16
@@ -91,10 +95,15 @@ def _device_kind(device: torch.device) -> tuple[str, int]:
     return device.type, 0
 
 
-def _target_programs(kind: tuple[str, int]) -> int:
+def _target_programs(kind: tuple[str, int], per_sm: int | None) -> int:
     if kind[0] == "cuda":
-        return _PROGRAMS_PER_SM * kind[1]
+        return min(per_sm or _PROGRAMS_PER_SM, _PROGRAMS_PER_SM) * kind[1]
     return _CPU_PROGRAMS
+
+
+def fits_occupancy(device: torch.device) -> bool:
+    """Whether launches on ``device`` are planned for a GPU, and so fit their grid to the kernel's occupancy."""
+    return _device_kind(device)[0] == "cuda"
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,11 @@ class Plan:
     # What every kernel takes, computed once per plan:
     size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
     stride_args: tuple[int, ...]  # per tensor: (s_c, s_o0, s_o1, s_o2) / VEC, then s_i
+
+    @property
+    def channels_fastest(self) -> bool:
+        """Whether every tensor's channels are contiguous (channels_last) and the inner dim is not."""
+        return _channels_fastest(self.strides)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -224,23 +238,30 @@ def clear_caches() -> None:
         cache.clear()
 
 
-def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1) -> Plan:
+def plan(
+    shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1, per_sm: int | None = None
+) -> Plan:
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
 
     All ``tensors`` have the logical ``shape`` ``(N, C, *S)``; they may have different strides.
     Plans are cached by shape, strides and device. ``tile_scale`` multiplies the tile: a read-only
     reduction (the forward statistics) takes twice the elements per thread, which spreads its loop
-    overhead over more elements.
+    overhead over more elements. ``per_sm``: the programs one SM of a CUDA device holds at once (the
+    compiled kernel's occupancy): the reduction is then split into at most one wave of programs.
     """
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
     kind = _device_kind(tensors[0].device)
-    return _plan_cached(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale)
+    return _plan_cached(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale, per_sm)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(
-    shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple[str, int], tile_scale: int = 1
+    shape: tuple[int, ...],
+    all_strides: tuple[tuple[int, ...], ...],
+    kind: tuple[str, int],
+    tile_scale: int = 1,
+    per_sm: int | None = None,
 ) -> Plan:
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
@@ -273,12 +294,11 @@ def _plan_cached(
         max_offset = max(sum((size - 1) * abs(s) for size, s in zip(shape, st, strict=True)) for st in all_strides)
     # A grouped tile stays at one tile's lanes even for the statistics: their segmented scan, in fp64,
     # would need more than 128 registers at twice that.
-    grouped = _grouped(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset)
+    grouped = _grouped(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset, per_sm)
     if grouped is not None:
         return grouped
     c_pow2 = _next_pow2(C)
-    channels_fastest = all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
-    if channels_fastest:  # channels_last: lanes along C are contiguous
+    if _channels_fastest(strides):  # channels_last: lanes along C are contiguous
         BLOCK_C = min(c_pow2, 128)
         BLOCK_I = max(1, min(_next_pow2(inner_size), tile // BLOCK_C))
     else:  # NCHW and the rest: lanes along the inner dim
@@ -287,7 +307,7 @@ def _plan_cached(
     c_blocks = -(-C // BLOCK_C)
     inner_tiles = max(1, -(-inner_size // BLOCK_I))
     tiles = outer * inner_tiles if inner_size else 0
-    r_progs, tiles_per_prog = _split(tiles, c_blocks, kind)
+    r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
     G = _merge_group(r_progs)
     VEC = _vector_hint(inner_size, strides)
     return Plan(
@@ -318,9 +338,18 @@ def _plan_cached(
     )
 
 
-def _split(tiles: int, c_blocks: int, kind: tuple[str, int]) -> tuple[int, int]:
-    """``(r_progs, tiles_per_prog)``: the programs along the reduction and the tiles each walks."""
-    r_progs = max(1, min(tiles, -(-_target_programs(kind) // c_blocks)))
+def _channels_fastest(strides: tuple[tuple[int, ...], ...]) -> bool:
+    return all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
+
+
+def _split(tiles: int, c_blocks: int, kind: tuple[str, int], per_sm: int | None) -> tuple[int, int]:
+    """``(r_progs, tiles_per_prog)``: the programs along the reduction and the tiles each walks.
+
+    With the occupancy known (``per_sm``), the grid is at most one wave (unless the channel blocks
+    alone are more); otherwise at least the target.
+    """
+    target = _target_programs(kind, per_sm)
+    r_progs = max(1, min(tiles, target // c_blocks if per_sm else -(-target // c_blocks)))
     tiles_per_prog = max(1, -(-tiles // r_progs))
     return max(1, -(-tiles // tiles_per_prog)), tiles_per_prog  # drop programs that would get no tile
 
@@ -339,7 +368,7 @@ def _merge_rows(group: int, BLOCK_C: int) -> int:
     return max(1, min(_next_pow2(group), _MERGE_TILE // BLOCK_C))
 
 
-def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> Plan | None:
+def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_sm) -> Plan | None:
     """The grouped plan (see the module docstring) when it gives 16-byte vectors that planes alone
     cannot, else ``None``.
 
@@ -369,7 +398,7 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset) -> P
     BLOCK_C = _next_pow2((tile - 1) // plane + 1)  # a slot for the channel of every lane, idle ones included
     c_blocks = -(-C // group)
     tiles = outer
-    r_progs, tiles_per_prog = _split(tiles, c_blocks, kind)
+    r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
     G = _merge_group(r_progs)
     return Plan(
         C=C,

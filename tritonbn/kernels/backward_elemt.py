@@ -27,7 +27,7 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._launch import Launch, refit_with
 from tritonbn.kernels._layout import cache_put, launch_cache, plan
 from tritonbn.kernels.backward_reduce import aux_tensor
 from tritonbn.kernels.elemt import empty_like_layout
@@ -260,10 +260,11 @@ def batch_norm_backward_elemt(
 _launches = launch_cache()
 
 
-def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux, aux_kind, input_grad, dr) -> Launch:
+def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux, aux_kind, input_grad, dr,
+            per_sm=None) -> Launch:  # fmt: skip
     """The launch of the backward elementwise kernel on arguments like these (see the key in the launcher)."""
     dx = empty_like_layout(x) if input_grad else None
-    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)))
+    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)), per_sm=per_sm)
     constexprs = dict(
         TRAINING=training,
         HAS_WEIGHT=weight is not None,
@@ -281,4 +282,7 @@ def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux
         USE_INT64=layout.use_int64,
     )
     tail = (*layout.size_args, *layout.stride_args, float(negative_slope))
-    return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=11)
+    refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, training, activation, negative_slope,
+                                           aux, aux_kind, input_grad, dr, device=x.device)  # fmt: skip
+    return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=11,
+                  refit=refit)  # fmt: skip

@@ -39,12 +39,28 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._launch import Launch, refit_with
 from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
 # specialize arguments equal to 1 and drop the loop).
+@triton.jit
+def _grad_terms(dy, x, aux, hi_l, lo_l, scale_l, bias_l, slope, ACC: tl.constexpr, ACTIVATION: tl.constexpr,
+                AUX: tl.constexpr, READ_AUX: tl.constexpr):  # fmt: skip
+    """One tile's ``(dz, dz * (x - mean_hi))``: ``dz = dy`` through the fused activation's derivative.
+    Lanes that read ``dy = 0`` (masked) give exactly 0 to both."""
+    xc = x.to(ACC) - hi_l
+    dz = dy.to(ACC)
+    if ACTIVATION != 0:
+        if READ_AUX:
+            a = aux.to(ACC)
+        else:
+            a = dz
+        dz = grad_z(dz, xc - lo_l, scale_l, bias_l, a, slope, ACTIVATION, AUX)
+    return dz, dz * xc
+
+
 @triton.jit(do_not_specialize=["tiles_per_prog", "R", "G"])
 def _batch_norm_backward_reduce_kernel(
     # pointers
@@ -102,6 +118,7 @@ def _batch_norm_backward_reduce_kernel(
     PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
     GROUP: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
+    UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
 ):
     """Per-lane sums of dz and dz * (x - mean_hi); the last program merges every chunk."""
     pid_c = tl.program_id(0)
@@ -142,32 +159,53 @@ def _batch_norm_backward_reduce_kernel(
         aux = tl.load(
             aux_ptr + tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC), mask=mask, other=0.0
         )
+    else:
+        aux = dy
+    if UNROLL == 2:  # two tiles a step: twice the bytes in flight, the accumulators and the merge unchanged
+        o, it = tile_next(o, it, inner_tiles)
+        inner, mask = tile_mask(it, t_start + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+        dy2 = tl.load(dy_ptr + tile_offsets(o, rows, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, OVEC),
+                      mask=mask, other=0.0)  # fmt: skip
+        x2 = tl.load(x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask,
+                     other=0.0)  # fmt: skip
+        aux2 = dy2
+        if READ_AUX:
+            aux2 = tl.load(aux_ptr + tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC),
+                           mask=mask, other=0.0)  # fmt: skip
     acc_dz = tl.zeros(mask.shape, dtype=ACC)
     acc_dzx = tl.zeros(mask.shape, dtype=ACC)
-    for t in range(t_start, t_end):
-        # Prefetch the next tile (masked off past the chunk), then use the current one.
+    for t in range(t_start, t_end, UNROLL):
+        # Prefetch the next step's tiles (masked off past the chunk), then use the current ones.
         o, it = tile_next(o, it, inner_tiles)
-        inner, mask = tile_mask(it, t + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+        inner, mask = tile_mask(it, t + UNROLL < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
         dy_offs = tile_offsets(o, rows, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, OVEC)
         x_offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
         dy_next = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0)
         x_next = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+        aux_next = dy_next
         if READ_AUX:
             a_offs = tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC)
             aux_next = tl.load(aux_ptr + a_offs, mask=mask, other=0.0)
-        xc = x.to(ACC) - hi_l
-        dz = dy.to(ACC)
-        if ACTIVATION != 0:
+        if UNROLL == 2:
+            o, it = tile_next(o, it, inner_tiles)
+            inner, mask = tile_mask(it, t + 3 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+            dy_offs = tile_offsets(o, rows, inner, O1, O2, sdy_c, sdy_o0, sdy_o1, sdy_o2, sdy_i, OVEC)
+            x_offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
+            dy2_next = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0)
+            x2_next = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+            aux2_next = dy2_next
             if READ_AUX:
-                a = aux.to(ACC)
-                aux = aux_next
-            else:
-                a = dz
-            dz = grad_z(dz, xc - lo_l, scale_l, bias_l, a, slope, ACTIVATION, AUX)
+                a_offs = tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC)
+                aux2_next = tl.load(aux_ptr + a_offs, mask=mask, other=0.0)
+        dz, dzx = _grad_terms(dy, x, aux, hi_l, lo_l, scale_l, bias_l, slope, ACC, ACTIVATION, AUX, READ_AUX)
         acc_dz += dz
-        acc_dzx += dz * xc
-        dy = dy_next
-        x = x_next
+        acc_dzx += dzx
+        dy, x, aux = dy_next, x_next, aux_next
+        if UNROLL == 2:
+            dz, dzx = _grad_terms(dy2, x2, aux2, hi_l, lo_l, scale_l, bias_l, slope, ACC, ACTIVATION, AUX, READ_AUX)
+            acc_dz += dz
+            acc_dzx += dzx
+            dy2, x2, aux2 = dy2_next, x2_next, aux2_next
 
     # This program's partials, its lanes merged in ACC.
     store_partials(part_ptr, pid_r, R, C, cols, c_mask, acc_dz, acc_dzx, pid_c, lanes, inner_v, PLANE, GROUP, VEC, ACC)
@@ -268,9 +306,22 @@ def batch_norm_backward_reduce(
 _launches = launch_cache()
 
 
-def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind) -> Launch:
+def _unroll(x: torch.Tensor, layout) -> int:
+    """Tiles per step of the main loop: 2 where one tile of fp16/bf16 leaves too few bytes in flight and
+    a second one fits. Channels_last tiles and grouped ones (which cannot widen, see ``_layout``) take
+    two, except grouped 7x7 planes, whose 64 channel slots of per-lane values took 130-132 registers;
+    NCHW tiles stay at one: Triton 3.6 splits their loads to 64 bits at two (3.9 does not)."""
+    if x.element_size() > 2:
+        return 1
+    if layout.PLANE:
+        return 2 if layout.BLOCK_C <= 32 else 1
+    return 2 if layout.channels_fastest else 1
+
+
+def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
+            per_sm=None) -> Launch:  # fmt: skip
     """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
-    layout = plan(x.shape, grad_out, x, aux if aux is not None else x)
+    layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm)
     R = layout.r_progs
     constexprs = dict(
         HAS_WEIGHT=weight is not None,
@@ -287,7 +338,10 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
         PLANE=layout.PLANE,
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
+        UNROLL=_unroll(x, layout),
     )
     tail = (*layout.size_args, R, layout.G, *layout.stride_args, float(negative_slope))
+    refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, weight_grad, bias_grad, activation,
+                                           negative_slope, aux, aux_kind, device=x.device)  # fmt: skip
     return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
-                  tickets=layout.merge_tickets, scratch=layout.merge_scratch)  # fmt: skip
+                  tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit)  # fmt: skip

@@ -43,7 +43,7 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._launch import Launch, refit_with
 from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 
@@ -295,10 +295,11 @@ _launches = launch_cache()
 
 
 def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum, eps, residual, activation,
-            negative_slope, save_stats) -> Launch:  # fmt: skip
+            negative_slope, save_stats, per_sm=None) -> Launch:  # fmt: skip
     """The launch of the elementwise kernel on arguments like these (see the key in :func:`batch_norm_elemt`)."""
     y = empty_like_layout(x)
-    layout = plan(x.shape, x, y, residual if residual is not None else x)
+    layout = plan(x.shape, x, y, residual if residual is not None else x, tile_scale=2 if x.element_size() <= 2 else 1,
+                  per_sm=per_sm)  # fmt: skip
     training = stats is not None
     update = training and running_mean is not None
     has_nbt = update and num_batches_tracked is not None
@@ -327,5 +328,8 @@ def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
         *split_float(eps),
         float(negative_slope),
     )
+    refit = None if per_sm else refit_with(_launch, x, weight, bias, stats, running_mean, num_batches_tracked,
+                                           momentum, eps, residual, activation, negative_slope, save_stats,
+                                           device=x.device)  # fmt: skip
     return Launch(_batch_norm_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
-                  tickets=int(has_nbt))  # fmt: skip
+                  tickets=int(has_nbt), refit=refit)  # fmt: skip

@@ -39,7 +39,7 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch
+from tritonbn.kernels._launch import Launch, refit_with
 from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 
 
@@ -78,6 +78,7 @@ def _batch_norm_stats_kernel(
     PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
     GROUP: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
+    UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
 ):
     """Shifted per-lane sums of x over a chunk of tiles; the last program merges every chunk."""
     pid_c = tl.program_id(0)
@@ -96,13 +97,9 @@ def _batch_norm_stats_kernel(
         first = tl.load(x_ptr + cols * (sx_c * VEC), mask=has_data, other=0.0)
     pivot = first.to(ACC)
     pivot_l = per_lane(pivot, lane_ch, PLANE)
-    # What masked lanes read. In a plane-by-plane tile each reads its channel's pivot, so it adds
-    # exactly 0 without a select. In a grouped tile only lanes past the group's last channel are
-    # masked (a whole tile past the chunk is never used) and no partial is stored for them: 0.
-    if PLANE > 0:
-        first_l = 0.0
-    else:
-        first_l = first[:, None]
+    # What masked lanes read: their channel's pivot, so that they add exactly 0 without a select (a
+    # whole tile past the chunk, which the second tile of an unrolled step can be, included).
+    first_l = pivot_l.to(first.dtype)
 
     OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
     rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
@@ -112,18 +109,33 @@ def _batch_norm_stats_kernel(
     inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
     offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
     x = tl.load(x_ptr + offs, mask=mask, other=first_l)
+    if UNROLL == 2:  # two tiles a step: twice the bytes in flight, the accumulators and the merge unchanged
+        o, it = tile_next(o, it, inner_tiles)
+        inner, mask = tile_mask(it, t_start + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+        offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
+        x2 = tl.load(x_ptr + offs, mask=mask, other=first_l)
     s1 = tl.zeros(x.shape, dtype=ACC)
     s2 = tl.zeros(x.shape, dtype=ACC)
-    for t in range(t_start, t_end):
-        # Prefetch the next tile (masked off past the chunk), then use the current one.
+    for t in range(t_start, t_end, UNROLL):
+        # Prefetch the next step's tiles (masked off past the chunk), then use the current ones.
         o, it = tile_next(o, it, inner_tiles)
-        inner, mask = tile_mask(it, t + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+        inner, mask = tile_mask(it, t + UNROLL < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
         offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
         x_next = tl.load(x_ptr + offs, mask=mask, other=first_l)
+        if UNROLL == 2:
+            o, it = tile_next(o, it, inner_tiles)
+            inner, mask = tile_mask(it, t + 3 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
+            offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
+            x2_next = tl.load(x_ptr + offs, mask=mask, other=first_l)
         d = x.to(ACC) - pivot_l
         s1 += d
         s2 += d * d
         x = x_next
+        if UNROLL == 2:
+            d = x2.to(ACC) - pivot_l
+            s1 += d
+            s2 += d * d
+            x2 = x2_next
 
     # This program's partials, its lanes merged in fp64.
     store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, GROUP, VEC, tl.float64)
@@ -164,9 +176,10 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
 _launches = launch_cache()
 
 
-def _launch(x: torch.Tensor) -> Launch:
-    """The launch of the statistics kernel on inputs like ``x`` (its shape, strides, dtype and device)."""
-    layout = plan(x.shape, x, tile_scale=2)
+def _launch(x: torch.Tensor, per_sm: int | None = None) -> Launch:
+    """The launch of the statistics kernel on inputs like ``x`` (its shape, strides, dtype and device),
+    planned for ``per_sm`` programs per SM (see :mod:`tritonbn.kernels._launch`)."""
+    layout = plan(x.shape, x, tile_scale=2, per_sm=per_sm)
     C, R = layout.C, layout.r_progs
     constexprs = dict(
         ACC=acc_dtypes(x)[0],
@@ -177,7 +190,9 @@ def _launch(x: torch.Tensor) -> Launch:
         PLANE=layout.PLANE,
         GROUP=layout.GROUP,
         USE_INT64=layout.use_int64,
+        UNROLL=2,
     )
     tail = (*layout.size_args, R, layout.G, x.numel() // C, *layout.stride_args)
     return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=4,
-                  tickets=layout.merge_tickets, scratch=layout.merge_scratch)  # fmt: skip
+                  tickets=layout.merge_tickets, scratch=layout.merge_scratch,
+                  refit=None if per_sm else refit_with(_launch, x, device=x.device))  # fmt: skip
