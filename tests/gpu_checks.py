@@ -10,6 +10,8 @@
    back at zero, and the statistics and gradients close to float64 torch.
 5. The direct launch (tritonbn/kernels/_launch.py) is the path a repeated step takes (no call of
    Triton's ``JITFunction.run``), and gives the same bits as Triton's own launch path.
+6. Every launch made so far fitted its grid to its compiled kernel's occupancy: at most one wave of
+   programs on this GPU (unless the channel blocks alone are more), and no fit left pending.
 
 Run directly (``python tests/gpu_checks.py``); tests/test_gpu.py runs it when a GPU is present.
 """
@@ -206,6 +208,25 @@ def check_direct_launch():
     print("direct launch: a repeated step skips JITFunction.run and gives Triton's path's bits")
 
 
+def check_fitted_grids():
+    from tritonbn.kernels import _launch, backward_elemt, backward_reduce, elemt, stats
+
+    sm = _launch.device_sm(torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    seen = 0
+    for module in (stats, elemt, backward_reduce, backward_elemt):
+        for launch in module._launches.values():
+            assert launch.refit is None, f"{launch.fn.__name__}: a fit was left pending"
+            for *_, compiled in launch.compiled.values():
+                wave = sms * _launch.programs_per_sm(compiled.n_regs, launch.options["num_warps"],
+                                                     compiled.metadata.shared, sm)  # fmt: skip
+                c_blocks, r_progs = launch.grid
+                assert c_blocks * r_progs <= wave or r_progs == 1, (launch.fn.__name__, launch.grid, wave)
+                seen += 1
+    assert seen, "no compiled launch to check"
+    print(f"fitted grids: {seen} compiled launches, each at most one wave at its occupancy")
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("gpu_checks: no CUDA device")
@@ -214,4 +235,5 @@ if __name__ == "__main__":
     check_cuda_graph_training_step()
     check_empty_batch_in_graph()
     check_no_host_sync()
+    check_fitted_grids()
     print("gpu checks passed")
