@@ -58,6 +58,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(_layout, "_CPU_TILE", 8)
     monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
     monkeypatch.setattr(_layout, "_FLAT_MERGE", 3)
+    monkeypatch.setattr(_layout, "_FLAT_MERGE_BYTES", 0)
     _layout.clear_caches()
     yield
     _layout.clear_caches()

@@ -109,9 +109,9 @@ def test_two_tiles_a_step(monkeypatch, dtype, shape, layout, cpu_tile):
     torch.manual_seed(7)
     x = make_layout((torch.randn(shape) * 2 + 5).to(dtype), layout)
     dy = make_layout(torch.randn(shape).to(dtype), layout)
-    p = plan(x.shape, dy, x, x)
+    p = plan(x.shape, dy, x, x, merges=True)
     assert backward_reduce._unroll(x, p) == 2 and _odd_chunk(p) and p.tiles_per_prog > 1, p
-    assert _odd_chunk(plan(x.shape, x, tile_scale=2))
+    assert _odd_chunk(plan(x.shape, x, tile_scale=2, merges=True))
     xd, dims = x.double(), (0, *range(2, x.dim()))
     stats = batch_norm_stats(x)
     torch.testing.assert_close(stats[: shape[1]], xd.sum(dims), atol=1e-6, rtol=1e-6)
@@ -124,3 +124,22 @@ def test_two_tiles_a_step(monkeypatch, dtype, shape, layout, cpu_tile):
     torch.testing.assert_close(sums[0].double(), dy.double().sum(dims), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(sums[1].double(), (dy.double() * xhat).sum(dims), atol=1e-5, rtol=1e-6)
     _layout.clear_caches()
+
+
+@pytest.mark.parametrize(("C", "levels"), [(64, 2), (128, 1), (256, 1), (2048, 1)])
+def test_reductions_merge_narrow_channel_blocks(C, levels):
+    """As on an H100/H200 at the reductions' occupancy (3 programs of 8 warps per SM): a channels_last
+    reduction takes 32-channel blocks (its partials, merged after the main loops, grow as the block
+    squared), and merges them in one level while they are at most 64 KiB; the elementwise kernels keep
+    128-channel blocks; NCHW plans are not narrowed."""
+    from tritonbn.kernels._layout import planned_as
+
+    x = torch.empty(32, C, 56, 56, device="meta").to(memory_format=torch.channels_last)
+    with planned_as("cuda", 132):
+        p = plan(x.shape, x, tile_scale=2, per_sm=3, merges=True)
+        assert p.BLOCK_C == 32 and p.c_blocks * p.r_progs <= 3 * 132, p
+        assert (p.merge_groups > 1) == (levels == 2) and (p.G == p.r_progs) == (levels == 1), p
+        assert (2 * 8 * p.r_progs * p.BLOCK_C <= 64 * 1024) == (levels == 1), p
+        assert plan(x.shape, x, x, tile_scale=2, per_sm=3).BLOCK_C == min(C, 128)
+        nchw = torch.empty(32, C, 16, 16, device="meta")
+        assert plan(nchw.shape, nchw, per_sm=3, merges=True) == plan(nchw.shape, nchw, per_sm=3)

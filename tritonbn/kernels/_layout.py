@@ -43,14 +43,27 @@ _CPU_PROGRAMS = 4
 # (current and prefetched) of fp64: 1024 keeps the reducing kernels at <= 80 registers (24 warps per SM);
 # 2048 took them to 98 (16 warps), which the main loop pays for (see benchmarks/kernel_audit.py).
 _MERGE_TILE = 1024
+# and at most this many rows of it: a [32, 32] tile (32-channel blocks) took Triton 3.6's backward
+# reduction to 80 registers with a spill, and its statistics to 128; [16, 32] to 75 and 116, no spill.
+_MERGE_ROWS = 16
 # Programs per SM a CUDA plan is made for before its kernel is compiled, and the most a fitted plan
 # asks for. A launch fits its plan to the compiled kernel's occupancy before its first launch (see
 # tritonbn.kernels._launch.Launch): then the grid is one wave, every program resident at once. No
 # fitted plan needs more tickets or scratch than the unfitted one, which the first call sized.
 _PROGRAMS_PER_SM = 8
-# Up to this many programs per channel block, the last one merges all their partials (one level);
-# past it the merge is two-level, in groups of about sqrt(programs) (see _common.merge_tree).
+# Up to this many programs per channel block, or while their partials (two float64 per channel and
+# program) are at most _FLAT_MERGE_BYTES, the last one merges them all (one level); past both, the merge
+# is two-level, in groups of about sqrt(programs) (see _common.merge_tree). Each level puts a barrier,
+# an atomic and a dependent load after the last main loop; 64 KB is the most the kernel audit lets one
+# program read in a merge tail (benchmarks/kernel_audit.py), about what a level's latency costs.
 _FLAT_MERGE = 16
+_FLAT_MERGE_BYTES = 64 * 1024
+# Channels per program of a channels_last reduction (its partials' width): the merge tail reads
+# partials of r_progs * BLOCK_C, and r_progs = programs / (C / BLOCK_C), so the tail grows as BLOCK_C
+# squared. 32 channels, torch's own tile width for its channels_last reductions (OPTIMAL_TILE_W in
+# Normalization.cuh), keep runs of 64 bytes in bf16 and let one level merge a wave of programs for
+# C >= 128 on an H100/H200; the elementwise kernels, which do not merge, keep 128.
+_MERGE_BLOCK_C = 32
 _INT32_MAX = 2**31 - 1
 _GROUP_ALIGN = 8  # elements a grouped run starts on: 16 bytes of fp16/bf16, 32 of fp32
 
@@ -239,7 +252,11 @@ def clear_caches() -> None:
 
 
 def plan(
-    shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1, per_sm: int | None = None
+    shape: torch.Size | tuple[int, ...],
+    *tensors: torch.Tensor,
+    tile_scale: int = 1,
+    per_sm: int | None = None,
+    merges: bool = False,
 ) -> Plan:
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
 
@@ -248,11 +265,13 @@ def plan(
     reduction (the forward statistics) takes twice the elements per thread, which spreads its loop
     overhead over more elements. ``per_sm``: the programs one SM of a CUDA device holds at once (the
     compiled kernel's occupancy): the reduction is then split into at most one wave of programs.
+    ``merges``: the plan of a reducing kernel, whose programs' partials are merged after the main
+    loops: a channels_last one takes narrower channel blocks (``_MERGE_BLOCK_C``).
     """
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
     kind = _device_kind(tensors[0].device)
-    return _plan_cached(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale, per_sm)
+    return _plan_cached(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale, per_sm, merges)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -262,6 +281,7 @@ def _plan_cached(
     kind: tuple[str, int],
     tile_scale: int = 1,
     per_sm: int | None = None,
+    merges: bool = False,
 ) -> Plan:
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
@@ -299,7 +319,7 @@ def _plan_cached(
         return grouped
     c_pow2 = _next_pow2(C)
     if _channels_fastest(strides):  # channels_last: lanes along C are contiguous
-        BLOCK_C = min(c_pow2, 128)
+        BLOCK_C = min(c_pow2, _MERGE_BLOCK_C if merges else 128)
         BLOCK_I = max(1, min(_next_pow2(inner_size), tile // BLOCK_C))
     else:  # NCHW and the rest: lanes along the inner dim
         BLOCK_I = _inner_block(inner_size, min(1024, tile))
@@ -308,7 +328,7 @@ def _plan_cached(
     inner_tiles = max(1, -(-inner_size // BLOCK_I))
     tiles = outer * inner_tiles if inner_size else 0
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
-    G = _merge_group(r_progs)
+    G = _merge_group(r_progs, min(C, BLOCK_C))
     VEC = _vector_hint(inner_size, strides)
     return Plan(
         C=C,
@@ -354,10 +374,11 @@ def _split(tiles: int, c_blocks: int, kind: tuple[str, int], per_sm: int | None)
     return max(1, -(-tiles // tiles_per_prog)), tiles_per_prog  # drop programs that would get no tile
 
 
-def _merge_group(r_progs: int) -> int:
-    """Programs per merge group: all of them up to ``_FLAT_MERGE``, else ``ceil(sqrt(r_progs))``, which
-    makes the serial tail (a group, then at most as many level-2 rows) about ``2 sqrt(r_progs)`` rows."""
-    if r_progs <= _FLAT_MERGE:
+def _merge_group(r_progs: int, channels: int) -> int:
+    """Programs per merge group: all of them up to ``_FLAT_MERGE``, or while their partials of ``channels``
+    channels each fit ``_FLAT_MERGE_BYTES``; else ``ceil(sqrt(r_progs))``, which makes the serial tail
+    (a group, then at most as many level-2 rows) about ``2 sqrt(r_progs)`` rows."""
+    if r_progs <= _FLAT_MERGE or 2 * 8 * r_progs * channels <= _FLAT_MERGE_BYTES:
         return max(1, r_progs)
     return math.isqrt(r_progs - 1) + 1
 
@@ -365,7 +386,7 @@ def _merge_group(r_progs: int) -> int:
 def _merge_rows(group: int, BLOCK_C: int) -> int:
     """Rows of partials merged at a time, in a ``[BLOCK_R, BLOCK_C]`` tile: a group's rows (and at most as
     many level-2 rows) in one step where the tile allows."""
-    return max(1, min(_next_pow2(group), _MERGE_TILE // BLOCK_C))
+    return max(1, min(_next_pow2(group), _MERGE_TILE // BLOCK_C, _MERGE_ROWS))
 
 
 def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_sm) -> Plan | None:
@@ -399,7 +420,7 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_
     c_blocks = -(-C // group)
     tiles = outer
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
-    G = _merge_group(r_progs)
+    G = _merge_group(r_progs, group)
     return Plan(
         C=C,
         O1=1,

@@ -321,7 +321,7 @@ def _unroll(x: torch.Tensor, layout) -> int:
 def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
             per_sm=None) -> Launch:  # fmt: skip
     """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
-    layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm)
+    layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm, merges=True)
     R = layout.r_progs
     constexprs = dict(
         HAS_WEIGHT=weight is not None,

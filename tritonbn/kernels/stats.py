@@ -179,7 +179,7 @@ _launches = launch_cache()
 def _launch(x: torch.Tensor, per_sm: int | None = None) -> Launch:
     """The launch of the statistics kernel on inputs like ``x`` (its shape, strides, dtype and device),
     planned for ``per_sm`` programs per SM (see :mod:`tritonbn.kernels._launch`)."""
-    layout = plan(x.shape, x, tile_scale=2, per_sm=per_sm)
+    layout = plan(x.shape, x, tile_scale=2, per_sm=per_sm, merges=True)
     C, R = layout.C, layout.r_progs
     constexprs = dict(
         ACC=acc_dtypes(x)[0],
