@@ -131,7 +131,7 @@ def test_reductions_merge_narrow_channel_blocks(C, levels):
     """As on an H100/H200 at the reductions' occupancy (3 programs of 8 warps per SM): a channels_last
     reduction takes 32-channel blocks (its partials, merged after the main loops, grow as the block
     squared), and merges them in one level while they are at most 64 KiB; the elementwise kernels keep
-    128-channel blocks; NCHW plans are not narrowed."""
+    128-channel blocks; NCHW plans, and plans for the interpreter, are not narrowed."""
     from tritonbn.kernels._layout import planned_as
 
     x = torch.empty(32, C, 56, 56, device="meta").to(memory_format=torch.channels_last)
@@ -143,3 +143,34 @@ def test_reductions_merge_narrow_channel_blocks(C, levels):
         assert plan(x.shape, x, x, tile_scale=2, per_sm=3).BLOCK_C == min(C, 128)
         nchw = torch.empty(32, C, 16, 16, device="meta")
         assert plan(nchw.shape, nchw, per_sm=3, merges=True) == plan(nchw.shape, nchw, per_sm=3)
+    assert plan(x.shape, x, tile_scale=2, merges=True).BLOCK_C == min(C, 128)  # the interpreter's plans: not narrowed
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_merge_in_several_steps(small_tiles, monkeypatch, levels, layout):
+    """The merge loop over more rows than one step reads (2 rows a step here, up to 16 on a GPU): 9 to
+    48 programs per channel block merged in one level (5 to 24 steps) or two (groups of 3 to 7, 2 to 4
+    steps each): sums against float64."""
+    from tritonbn.kernels import _layout, batch_norm_backward_reduce, batch_norm_stats
+
+    monkeypatch.setattr(_layout, "_MERGE_ROWS", 2)
+    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 48)
+    monkeypatch.setattr(_layout, "_FLAT_MERGE", 1 << 30 if levels == 1 else 3)
+    _layout.clear_caches()
+    torch.manual_seed(11)
+    x = make_layout(torch.randn(3, 5, 8, 12) * 3 + 2, layout)
+    dy = make_layout(torch.randn(3, 5, 8, 12), layout)
+    for p in (plan(x.shape, x, tile_scale=2, merges=True), plan(x.shape, dy, x, x, merges=True)):
+        assert p.BLOCK_R == 2 and (p.merge_groups == 1) == (levels == 1), p
+        assert p.r_progs > 2 * p.BLOCK_R if levels == 1 else p.G > p.BLOCK_R, p
+    xd, dims = x.double(), (0, 2, 3)
+    stats = batch_norm_stats(x)
+    torch.testing.assert_close(stats[:5], xd.sum(dims), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(stats[5:10], (xd * xd).sum(dims), atol=1e-5, rtol=1e-6)
+    mean = xd.mean(dims)
+    invstd = (xd.var(dims, unbiased=False) + 1e-5).rsqrt().float()
+    sums, _, _ = batch_norm_backward_reduce(dy, x, mean, invstd, None)
+    xhat = (xd - mean.view(1, 5, 1, 1)) * invstd.double().view(1, 5, 1, 1)
+    torch.testing.assert_close(sums[0].double(), dy.double().sum(dims), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(sums[1].double(), (dy.double() * xhat).sum(dims), atol=1e-5, rtol=1e-6)

@@ -62,7 +62,8 @@ _FLAT_MERGE_BYTES = 64 * 1024
 # partials of r_progs * BLOCK_C, and r_progs = programs / (C / BLOCK_C), so the tail grows as BLOCK_C
 # squared. 32 channels, torch's own tile width for its channels_last reductions (OPTIMAL_TILE_W in
 # Normalization.cuh), keep runs of 64 bytes in bf16 and let one level merge a wave of programs for
-# C >= 128 on an H100/H200; the elementwise kernels, which do not merge, keep 128.
+# C >= 128 on an H100/H200; the elementwise kernels, which do not merge, keep 128, and so does the
+# interpreter, whose merges are of at most _CPU_PROGRAMS partials and whose cost is per program.
 _MERGE_BLOCK_C = 32
 _INT32_MAX = 2**31 - 1
 _GROUP_ALIGN = 8  # elements a grouped run starts on: 16 bytes of fp16/bf16, 32 of fp32
@@ -266,7 +267,7 @@ def plan(
     overhead over more elements. ``per_sm``: the programs one SM of a CUDA device holds at once (the
     compiled kernel's occupancy): the reduction is then split into at most one wave of programs.
     ``merges``: the plan of a reducing kernel, whose programs' partials are merged after the main
-    loops: a channels_last one takes narrower channel blocks (``_MERGE_BLOCK_C``).
+    loops: a channels_last one for a GPU takes narrower channel blocks (``_MERGE_BLOCK_C``).
     """
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
@@ -319,7 +320,7 @@ def _plan_cached(
         return grouped
     c_pow2 = _next_pow2(C)
     if _channels_fastest(strides):  # channels_last: lanes along C are contiguous
-        BLOCK_C = min(c_pow2, _MERGE_BLOCK_C if merges else 128)
+        BLOCK_C = min(c_pow2, _MERGE_BLOCK_C if merges and kind[0] == "cuda" else 128)
         BLOCK_I = max(1, min(_next_pow2(inner_size), tile // BLOCK_C))
     else:  # NCHW and the rest: lanes along the inner dim
         BLOCK_I = _inner_block(inner_size, min(1024, tile))
