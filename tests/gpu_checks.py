@@ -131,11 +131,27 @@ def check_no_host_sync():
 
 
 def check_two_level_merge():
+    """The two-level merge, forced (a GPU plan merges in one level while the partials are at most
+    _FLAT_MERGE_BYTES, which this layer's fitted grid may be)."""
+    from tritonbn.kernels import _layout
+
+    flat_bytes, _layout._FLAT_MERGE_BYTES = _layout._FLAT_MERGE_BYTES, 0
+    _layout.clear_caches()
+    try:
+        _check_two_level_merge()
+    finally:
+        _layout._FLAT_MERGE_BYTES = flat_bytes
+        _layout.clear_caches()
+
+
+def _check_two_level_merge():
     from tritonbn.kernels import _layout
 
     x0 = torch.randn(8, 64, 56, 56, device="cuda").to(memory_format=torch.channels_last) * 3 + 1
     dy = torch.randn_like(x0)
-    assert _layout.plan(x0.shape, x0, tile_scale=2).merge_groups > 1, "expected a two-level merge"
+    for p in (_layout.plan(x0.shape, x0, tile_scale=2, per_sm=1, merges=True),
+              _layout.plan(x0.shape, dy, x0, x0, per_sm=1, merges=True)):  # fmt: skip
+        assert p.merge_groups > 1, f"expected a two-level merge even at one program per SM, got {p}"
     bn = tritonbn.SyncBatchNorm(64).cuda()
     x = x0.clone().requires_grad_()
 

@@ -54,8 +54,9 @@ _PROGRAMS_PER_SM = 8
 # Up to this many programs per channel block, or while their partials (two float64 per channel and
 # program) are at most _FLAT_MERGE_BYTES, the last one merges them all (one level); past both, the merge
 # is two-level, in groups of about sqrt(programs) (see _common.merge_tree). Each level puts a barrier,
-# an atomic and a dependent load after the last main loop; 64 KB is the most the kernel audit lets one
-# program read in a merge tail (benchmarks/kernel_audit.py), about what a level's latency costs.
+# an atomic and a dependent load after the last main loop. 64 KB is the tail the kernel audit's test
+# holds a one-level merge to (tests/test_kernel_audit.py); at the ~150 GB/s one SM reads from L2 (the
+# audit's time model assumes it) that is about what a level costs (0.44 us against ~0.5 us).
 _FLAT_MERGE = 16
 _FLAT_MERGE_BYTES = 64 * 1024
 # Channels per program of a channels_last reduction (its partials' width): the merge tail reads
