@@ -39,9 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from resnet50 import distinct_bn_shapes, resnet50  # noqa: E402
-
 import tritonbn  # noqa: E402
+from tritonbn.cli.resnet50 import distinct_bn_shapes, resnet50  # noqa: E402
 from tritonbn.functional import batch_norm  # noqa: E402
 
 PROVIDERS = ("tritonbn", "torch_sync", "cudnn")

@@ -24,7 +24,7 @@ alone, on CPU tensors, without a GPU:
   and stream look-up, the generated binder, the cache key, the globals check, the grid). The C
   launcher itself (argument packing and ``cuLaunchKernel``) needs a GPU and is not measured.
 * Eval: one forward under ``torch.no_grad()`` against ``nn.BatchNorm2d`` in eval.
-* A ResNet-50-topology model (``benchmarks/resnet50.py``, 53 BN layers; input ``(2, 3, 16, 16)``)
+* A ResNet-50-topology model (``tritonbn/cli/resnet50.py``, 53 BN layers; input ``(2, 3, 16, 16)``)
   forward+backward with tritonbn layers (converted) against ``nn.BatchNorm2d`` layers, launches
   stubbed: the host cost per training step. There the stub zeroes the activation-sized outputs, so
   that the convolutions read ordinary numbers (uninitialized memory slowed them down), and denormals
@@ -67,11 +67,10 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from resnet50 import resnet50  # noqa: E402
-
 import tritonbn  # noqa: E402
-from tritonbn import backend, functional  # noqa: E402
+from tritonbn import _checks, _eager, _passes, backend, functional  # noqa: E402
 from tritonbn.activations import check_activation  # noqa: E402
+from tritonbn.cli.resnet50 import resnet50  # noqa: E402
 from tritonbn.kernels import _launch, plan  # noqa: E402
 from tritonbn.kernels._launch import Launch  # noqa: E402
 
@@ -158,7 +157,7 @@ def _fake_compile(self, key, signature, device, constexprs, options, attrs, warm
     return kernel
 
 
-_EAGER = functional._eager
+_EAGER = functional.is_eager
 
 
 def stub_launches() -> None:
@@ -166,7 +165,7 @@ def stub_launches() -> None:
     Launch.__call__ = _stub_call
     _launch.DIRECT = True
     _FakeKernel.fill = False
-    functional._eager = _EAGER
+    functional.is_eager = _EAGER
 
 
 def stub_and_fill() -> None:
@@ -188,7 +187,7 @@ def direct_and_fill() -> None:
 def custom_op_path() -> None:
     """Launches stubbed, and every call through the custom ops (the compiled path; eager before issue 12)."""
     stub_launches()
-    functional._eager = lambda x: False
+    functional.is_eager = lambda x: False
 
 
 def bind_launches() -> None:
@@ -273,11 +272,11 @@ def layer_cases():
     g = torch.randn(SHAPE)
     rm, rv, w, b, nbt = bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.num_batches_tracked
     ops = backend.ops_for(x)
-    layer = functional.Layer(True, 0.1, 1e-5)
+    layer = _passes.Layer(True, 0.1, 1e-5)
     spec = (ops, layer, rm, rv, nbt, None)
-    fwd = functional.forward_pass
-    bwd = functional.backward_pass
-    apply = functional._apply_eager
+    fwd = _passes.forward_pass
+    bwd = _passes.backward_pass
+    apply = _eager.apply_eager
 
     def module():
         bn(x).backward(g)
@@ -316,7 +315,7 @@ def layer_cases():
         launch_backward_elemt()
 
     def checks():
-        functional.check_inputs(x, rm, rv, w, b, 0.1, 1e-5, nbt, C, None)
+        _checks.check_inputs(x, rm, rv, w, b, 0.1, 1e-5, nbt, C, None)
         check_activation(None, 0.01)
 
     def plan_call():

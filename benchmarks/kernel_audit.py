@@ -38,7 +38,7 @@ and for the **main loop**:
   load, ends a round trip (consecutive waits before that next load end one). Round trips = 1 + the
   number of such ends (0 without loads);
 * ``sass_per_element``: instructions in the loop body / elements per thread per iteration, the
-  tile (``BLOCK_C * BLOCK_I``; ``BLOCK_I`` for a grouped plan, ``PLANE > 0``, whose tile is one row;
+  tile (``BLOCK_C * BLOCK_I``; ``BLOCK_I`` for a packed plan, ``PLANE > 0``, whose tile is one row;
   else the product of the ``BLOCK_*`` constexprs), times ``UNROLL`` (tiles a step) where the kernel
   takes it, over num_warps * 32.
 
@@ -90,8 +90,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from resnet50 import distinct_bn_shapes  # noqa: E402
-
+from tritonbn.cli.resnet50 import distinct_bn_shapes  # noqa: E402
 from tritonbn.kernels._launch import SM90, resident_limits  # noqa: E402
 
 MODES = ("train_forward", "backward", "eval_forward")
@@ -209,7 +208,7 @@ def triton_backend_on_cpu():
 def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget, compiled: dict):
     """``{mode: [Launch]}`` of one ``tritonbn.SyncBatchNorm`` layer: training forward, backward, eval forward."""
     import tritonbn
-    from tritonbn.kernels._layout import planned_as
+    from tritonbn.kernels._plan import planned_as
 
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     out = {}
@@ -483,7 +482,7 @@ _PTXAS = {
 def tile_elements(constexprs: dict) -> int:
     """Elements one step of the main loop covers: its tile, times ``UNROLL`` tiles a step where given."""
     unroll = int(constexprs.get("UNROLL", 1) or 1)
-    if int(constexprs.get("PLANE", 0) or 0) > 0:  # a grouped plan: one row of BLOCK_I lanes
+    if int(constexprs.get("PLANE", 0) or 0) > 0:  # a packed plan: one row of BLOCK_I lanes
         return int(constexprs["BLOCK_I"]) * unroll
     if "BLOCK_C" in constexprs and "BLOCK_I" in constexprs:
         return int(constexprs["BLOCK_C"]) * int(constexprs["BLOCK_I"]) * unroll
@@ -586,14 +585,14 @@ def tail_metrics(launch: Launch) -> dict:
     The longest serial chain is the one of the program that finishes its main loop last: it merges its
     group (at most ``G`` rows of partials), and, when there are several groups, the ``NG = ceil(R / G)``
     level-2 rows (see ``tritonbn.kernels._common.merge_tree``). A row holds two fp64 values for each of
-    the block's channels (``min(GROUP, C)``). ``tail_iterations`` counts the ``[BLOCK_R, BLOCK_C]`` steps
+    the block's channels (``min(PACK, C)``). ``tail_iterations`` counts the ``[BLOCK_R, BLOCK_C]`` steps
     of that chain; ``tail_levels`` the ticket-then-merge steps (each an atomic and a dependent load).
     """
     sc, named = launch.scalars, launch.named_constexprs()
     if "R" not in sc or "G" not in sc:
         return {"tail_bytes": None, "tail_rows": None, "tail_iterations": None, "tail_levels": None}
     R, G, C = sc["R"], sc["G"], sc["C"]
-    channels = min(int(named.get("GROUP", C)), C)
+    channels = min(int(named.get("PACK", C)), C)
     block_r = int(named["BLOCK_R"])
     groups = -(-R // G)
     chain = [min(G, R)] + ([groups] if groups > 1 else [])
@@ -979,9 +978,9 @@ def main(argv=None) -> int:
     global SM_COUNT
     SM_COUNT = args.sm_count
     if args.flat_merge:
-        from tritonbn.kernels import _layout
+        from tritonbn.kernels import _plan
 
-        _layout._FLAT_MERGE = 1 << 30
+        _plan._FLAT_MERGE = 1 << 30
     t0 = time.time()
     print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {layouts} x {MODES} for sm_{args.arch}")
     rows, compilations = audit(shapes, dtypes, layouts, target)

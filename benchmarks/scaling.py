@@ -5,7 +5,7 @@
 
 One ResNet-50 training step has 53 BatchNorm layers, so 106 collectives on the critical path (the
 forward one feeds the normalization, the backward one feeds dx). Only the collectives run here,
-with the message sizes of the 53 layers (channels from ``benchmarks/resnet50.py``):
+with the message sizes of the 53 layers (channels from ``tritonbn/cli/resnet50.py``):
 
 * ``tritonbn``: per layer, one all-reduce of 2C+1 fp64 forward (sums and the count) and one of 2C fp32
   backward, whatever the world size (``tests/test_sync.py`` checks these messages on the real layer);
@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from resnet50 import resnet50  # noqa: E402
+from tritonbn.cli.resnet50 import resnet50  # noqa: E402
 
 IMPLS = ("tritonbn", "allgather")
 FULL_WORLDS, SMOKE_WORLDS = (2, 4, 8), (2, 4)

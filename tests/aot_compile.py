@@ -65,9 +65,9 @@ def main(argv=None) -> int:
                     "invstd_ptr": acc_ptr,
                     # a module in the input's dtype (.to(dtype)); the kernel audit compiles fp32 ones
                     "w_ptr": dt, "b_ptr": dt, "rmean_ptr": dt, "rvar_ptr": dt, "gw_ptr": dt, "gb_ptr": dt}  # fmt: skip
-        # A plane-by-plane plan, and a grouped one (7x7 planes, 40 channels per program; see _layout).
-        plans = [{"BLOCK_C": 32, "BLOCK_I": 64, "VEC": 4, "PLANE": 0, "GROUP": 32},
-                 {"BLOCK_C": 64, "BLOCK_I": 2048, "VEC": 8, "PLANE": 49, "GROUP": 40}]  # fmt: skip
+        # A plane-by-plane plan, and a packed one (7x7 planes, 40 channels per program; see _plan).
+        plans = [{"BLOCK_C": 32, "BLOCK_I": 64, "VEC": 4, "PLANE": 0, "PACK": 32},
+                 {"BLOCK_C": 64, "BLOCK_I": 2048, "VEC": 8, "PLANE": 49, "PACK": 40}]  # fmt: skip
         for layout in plans:
             base = dict(layout, USE_INT64=int64, ACC=acc)
             count += _compile_plan(base, pointers, target, int64, activations, residuals, auxes)
@@ -80,7 +80,7 @@ def _compile_plan(base, pointers, target, int64, activations, residuals, auxes) 
     count = 0
     _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32, UNROLL=2), target, int64)
     count += 1
-    if base["PLANE"]:  # a grouped plan: one representative variant of each kernel
+    if base["PLANE"]:  # a packed plan: one representative variant of each kernel
         activations, residuals, auxes = activations[-1:], residuals[-1:], auxes[-1:]
     for training, act, residual in itertools.product((True, False), activations, residuals):
         forward = dict(base, TRAINING=training, UPDATE_RUNNING=training, CUMULATIVE=training, HAS_NBT=training,

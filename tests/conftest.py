@@ -53,12 +53,12 @@ def backend_name(request, monkeypatch):
 def small_tiles(monkeypatch):
     """Tiny tiles and many programs per channel block: every kernel runs many tiles per program, and
     the merge has many partials, two-level (groups of ceil(sqrt(programs)), the last one often short)."""
-    from tritonbn.kernels import _layout
+    from tritonbn.kernels import _plan
 
-    monkeypatch.setattr(_layout, "_CPU_TILE", 8)
-    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
-    monkeypatch.setattr(_layout, "_FLAT_MERGE", 3)
-    monkeypatch.setattr(_layout, "_FLAT_MERGE_BYTES", 0)
-    _layout.clear_caches()
+    monkeypatch.setattr(_plan, "_CPU_TILE", 8)
+    monkeypatch.setattr(_plan, "_CPU_PROGRAMS", 16)
+    monkeypatch.setattr(_plan, "_FLAT_MERGE", 3)
+    monkeypatch.setattr(_plan, "_FLAT_MERGE_BYTES", 0)
+    _plan.clear_caches()
     yield
-    _layout.clear_caches()
+    _plan.clear_caches()

@@ -11,7 +11,7 @@ Three costs of the interpreter that the tests do not need, found with cProfile:
   place (only the launch's own patch is undone when it ends), so patching once per helper and
   launch does the same.
 * A scan with a combine function of its own (not a plain sum or product) runs element by element,
-  the combine called in Python for each: about 80 µs an element. The grouped plans' segmented sum
+  the combine called in Python for each: about 80 µs an element. The packed plans' segmented sum
   (``tritonbn.kernels._common._segmented_add``) scanned 4096 lanes that way took 1.3 s of a 1.5 s
   training step at ``(2, 64, 7, 7)``. Its scan is done instead by NumPy, one cumulative sum per
   segment: the same left-to-right additions, so the same bits.

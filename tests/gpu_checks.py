@@ -133,25 +133,25 @@ def check_no_host_sync():
 def check_two_level_merge():
     """The two-level merge, forced (a GPU plan merges in one level while the partials are at most
     _FLAT_MERGE_BYTES, which this layer's fitted grid may be)."""
-    from tritonbn.kernels import _layout
+    from tritonbn.kernels import _plan
 
-    flat_bytes, _layout._FLAT_MERGE_BYTES = _layout._FLAT_MERGE_BYTES, 0
-    _layout.clear_caches()
+    flat_bytes, _plan._FLAT_MERGE_BYTES = _plan._FLAT_MERGE_BYTES, 0
+    _plan.clear_caches()
     try:
         _check_two_level_merge()
     finally:
-        _layout._FLAT_MERGE_BYTES = flat_bytes
-        _layout.clear_caches()
+        _plan._FLAT_MERGE_BYTES = flat_bytes
+        _plan.clear_caches()
 
 
 def _check_two_level_merge():
-    from tritonbn.kernels import _layout
+    from tritonbn.kernels import _plan, _workspace
 
     x0 = torch.randn(8, 64, 56, 56, device="cuda").to(memory_format=torch.channels_last) * 3 + 1
     dy = torch.randn_like(x0)
-    for p in (_layout.plan(x0.shape, x0, tile_scale=2, per_sm=1, merges=True),
-              _layout.plan(x0.shape, dy, x0, x0, per_sm=1, merges=True)):  # fmt: skip
-        assert p.merge_groups > 1, f"expected a two-level merge even at one program per SM, got {p}"
+    for p in (_plan.plan(x0.shape, x0, tile_scale=2, per_sm=1, merges=True),
+              _plan.plan(x0.shape, dy, x0, x0, per_sm=1, merges=True)):  # fmt: skip
+        assert p.merge_subtrees > 1, f"expected a two-level merge even at one program per SM, got {p}"
     bn = tritonbn.SyncBatchNorm(64).cuda()
     x = x0.clone().requires_grad_()
 
@@ -174,7 +174,7 @@ def _check_two_level_merge():
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(first, captured, strict=True)), "graph replay differs from eager"
-    assert all(not ws.tickets.any() for ws in _layout._workspaces.values()), "a ticket counter was left non-zero"
+    assert all(not ws.tickets.any() for ws in _workspace._workspaces.values()), "a ticket counter was left non-zero"
     ref_x = x0.double().cpu().requires_grad_()
     ref = torch.nn.functional.batch_norm(ref_x, None, None, bn.weight.double().cpu(), bn.bias.double().cpu(), True)
     ref.backward(dy.double().cpu())

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tritonbn  # noqa: E402
 from tritonbn import backend  # noqa: E402
-from tritonbn.kernels import _launch, _layout  # noqa: E402
+from tritonbn.kernels import _launch, _plan  # noqa: E402
 
 # --- a fake driver whose device and stream the cases switch ----------------------------------------
 
@@ -201,20 +201,20 @@ def run_cases() -> list[str]:
     step(bn, x)
     step(bn, torch.randn(3, 6, 5, 4))  # the same plan, aligned: another kernel
     covered.append(CASE)
-    CASE = "grouped plan, 7x7 NCHW, fused residual and relu"
+    CASE = "packed plan, 7x7 NCHW, fused residual and relu"
     bn = tritonbn.SyncBatchNorm(16, activation="relu")
     x = torch.randn(2, 16, 7, 7)
-    assert _layout.plan(x.shape, x).PLANE == 49
+    assert _plan.plan(x.shape, x).PLANE == 49
     step(bn, x, residual=torch.randn(2, 16, 7, 7))
     covered.append(CASE)
     CASE = "int64 offsets"
-    _layout._INT32_MAX = 10
-    _layout.clear_caches()
+    _plan._INT32_MAX = 10
+    _plan.clear_caches()
     x = torch.randn(3, 6, 5, 4)
-    assert _layout.plan(x.shape, x).use_int64
+    assert _plan.plan(x.shape, x).use_int64
     step(tritonbn.SyncBatchNorm(6), x)
-    _layout._INT32_MAX = 2**31 - 1
-    _layout.clear_caches()
+    _plan._INT32_MAX = 2**31 - 1
+    _plan.clear_caches()
     covered.append(CASE)
     for device, stream in ((1, 0), (1, 7), (0, 7)):
         CASE = f"device {device}, stream {stream}"
@@ -223,7 +223,7 @@ def run_cases() -> list[str]:
         covered.append(CASE)
     FakeDriver.device, FakeDriver.stream = 0, 0
     CASE = "fitted to the occupancy (planned as on 132 SMs)"
-    with _layout.planned_as("cuda", 132):  # CPU tensors planned as for a GPU: launches fit their grids
+    with _plan.planned_as("cuda", 132):  # CPU tensors planned as for a GPU: launches fit their grids
         x = torch.empty(32, 64, 56, 56).to(memory_format=torch.channels_last)
         step(tritonbn.SyncBatchNorm(64), x)
     covered.append(CASE)

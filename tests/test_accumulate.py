@@ -18,7 +18,7 @@ from oracle import Oracle
 from torch import nn
 
 import tritonbn
-from tritonbn import accumulate
+from tritonbn import modules, running_stats
 
 # (micro-batch sizes per rank) per block; rank 1 is empty in one micro-batch.
 SIZES = {1: [[3], [2], [4]], 2: [[2, 1], [2, 0], [1, 3]]}
@@ -165,7 +165,7 @@ def test_exception_in_block_leaves_stats(backend_name):
             model(torch.randn(4, 3, 2) * 3 + 2)
             raise ZeroDivisionError
     _assert_unchanged(model, before)
-    assert not any(accumulate.ACCUMULATOR in m.__dict__ for m in model.modules())
+    assert not any(modules.ACCUMULATOR in m.__dict__ for m in model.modules())
     model(torch.randn(4, 3, 2))  # outside a block: the usual per-call update again
     assert int(model.a.num_batches_tracked) == int(before["a.num_batches_tracked"]) + 1
 
@@ -226,7 +226,7 @@ def test_refusals(monkeypatch):
 
 def test_cuda_graph_capture_is_refused(monkeypatch):
     """Inside a capture the call raises an error naming tritonbn, and nothing is updated."""
-    monkeypatch.setattr(accumulate, "_capturing", lambda device: True)
+    monkeypatch.setattr(running_stats, "_capturing", lambda device: True)
     model = TwoLayers()
     before = _warm(model)
     with pytest.raises(RuntimeError, match="tritonbn.accumulate_stats cannot run inside a CUDA graph capture"):

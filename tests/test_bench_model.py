@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from tritonbn.__main__ import main
 from tritonbn.backend import interpreted
+from tritonbn.cli import main
 
 FAST = ["--reps", "1", "--warmup", "0"]
 
@@ -69,7 +69,7 @@ def test_bench_builtin_demo_model(tmp_path, capsys):
     assert main(["bench", "--model", "demo", "--dtype", "fp32", "--out", str(out), *FAST]) == 0
     printed = capsys.readouterr()
     rows = _rows(out)
-    from tritonbn.demo import make_model
+    from tritonbn.cli.demo import make_model
 
     expected = _bn_inputs(make_model(), torch.randn(8, 3, 12, 12))
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
@@ -115,8 +115,8 @@ def test_bench_user_model_channels_last(tmp_path, monkeypatch, capsys):
     "args, message",
     [
         (["--model", "no_such_module_xyz:build"], "cannot import module 'no_such_module_xyz'"),
-        (["--model", "tritonbn.demo:no_such_fn"], "has no attribute 'no_such_fn'"),
-        (["--model", "tritonbn.demo:PER_RANK"], "expected a torch.nn.Module"),
+        (["--model", "tritonbn.cli.demo:no_such_fn"], "has no attribute 'no_such_fn'"),
+        (["--model", "tritonbn.cli.demo:PER_RANK"], "expected a torch.nn.Module"),
         (["--model", "resnet5O"], "--model must be MODULE:CALLABLE or one of resnet50, demo"),
         (["--model", "demo", "--input", "3"], "--input must be a positive shape"),
         (["--model", "torch.nn:Identity", "--input", "2,3"], "the model has no BatchNorm layer"),

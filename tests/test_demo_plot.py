@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tritonbn.__main__ import main
+from tritonbn.cli import main
 
 pytest.importorskip("matplotlib", reason="matplotlib is the plot extra: pip install -e '.[plot]'")
 

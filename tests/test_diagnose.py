@@ -20,8 +20,9 @@ from timm_standin import EfficientNetish, InvertedResidual
 from torch import nn
 
 import tritonbn
-from tritonbn import diagnose, doctor
-from tritonbn.demo import ddp_without_buffer_sync
+from tritonbn import diagnose
+from tritonbn.cli import doctor
+from tritonbn.cli.demo import ddp_without_buffer_sync
 
 pytestmark = pytest.mark.distributed
 

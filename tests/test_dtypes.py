@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from oracle import PARAM_GRAD_TOL, TOLERANCES
 
 import tritonbn
-from tritonbn.kernels import _layout
+from tritonbn.kernels import _plan, _workspace
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 ATOL = {**TOLERANCES, torch.float64: (1e-12, 1e-12)}
@@ -141,7 +141,7 @@ def test_one_launch_per_pass_and_tickets_reset(small_tiles, monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(5, 6, 7, requires_grad=True)
     bn = tritonbn.SyncBatchNorm(6, momentum=None)
-    assert _layout.plan(x.shape, x).r_progs > 1
+    assert _plan.plan(x.shape, x).r_progs > 1
     y = bn(x)
     assert launches == ["stats", "elemt"]
     y.backward(torch.randn_like(y))
@@ -149,7 +149,7 @@ def test_one_launch_per_pass_and_tickets_reset(small_tiles, monkeypatch):
     bn.eval()
     bn(x.detach())
     assert launches[4:] == ["elemt"]
-    for ws in _layout._workspaces.values():
+    for ws in _workspace._workspaces.values():
         assert not ws.tickets.any(), "a kernel left a ticket counter non-zero"
     # Two identical steps give the same bits: the merge order does not depend on arrival order.
     outs = []

@@ -63,7 +63,7 @@ def _assert_identical(got, want):
 
 
 def _custom_op_path(monkeypatch):
-    monkeypatch.setattr(functional, "_eager", lambda x: False)
+    monkeypatch.setattr(functional, "is_eager", lambda x: False)
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "torch"], indirect=True)

@@ -18,7 +18,7 @@ from torch import nn
 
 import tritonbn
 from tritonbn import backend
-from tritonbn.kernels import _layout, plan
+from tritonbn.kernels import _plan, plan
 
 # --- clear errors before any collective -----------------------------------------------------------
 
@@ -420,10 +420,10 @@ def test_checkpoint_across_ranks(tmp_path, reentrant):
 
 @pytest.fixture
 def big_tiles(monkeypatch):
-    monkeypatch.setattr(_layout, "_CPU_TILE", 1 << 17)
-    _layout.clear_caches()
+    monkeypatch.setattr(_plan, "_CPU_TILE", 1 << 17)
+    _plan.clear_caches()
     yield
-    _layout.clear_caches()
+    _plan.clear_caches()
 
 
 def test_counts_past_2_pow_24_are_exact(backend_name, big_tiles):
@@ -466,8 +466,8 @@ def test_int64_indexing_is_chosen_past_2_pow_31():
 def test_int64_kernel_path(monkeypatch):
     """The int64 code path of every kernel, forced on a small input, matches the oracle."""
     monkeypatch.setenv("TRITONBN_BACKEND", "triton")
-    monkeypatch.setattr(_layout, "_INT32_MAX", 10)
-    _layout.clear_caches()
+    monkeypatch.setattr(_plan, "_INT32_MAX", 10)
+    _plan.clear_caches()
     try:
         torch.manual_seed(4)
         x = torch.randn(3, 4, 5, 6).to(memory_format=torch.channels_last).requires_grad_()
@@ -480,7 +480,7 @@ def test_int64_kernel_path(monkeypatch):
         torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x.grad.double(), dx_ref, atol=1e-5, rtol=1e-5)
     finally:
-        _layout.clear_caches()
+        _plan.clear_caches()
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import torch
 ROOT = pathlib.Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from resnet50 import bn_input_shapes, distinct_bn_shapes, resnet50  # noqa: E402
+from tritonbn.cli.resnet50 import bn_input_shapes, distinct_bn_shapes, resnet50  # noqa: E402
 
 
 def test_resnet50_matches_torchvision_layout():

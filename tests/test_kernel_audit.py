@@ -17,11 +17,11 @@ SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "kernel_audit.py"
 MAX_REGISTERS = 128
 # The merge tail (see tritonbn.kernels._common.merge_tree). A flat merge reads R rows after the last main
 # loop; the two-level one at most 2 * ceil(sqrt(R)). By design all of them are merged in one level up to
-# 16 programs, or while they are at most 64 KiB (tritonbn.kernels._layout).
+# 16 programs, or while they are at most 64 KiB (tritonbn.kernels._plan).
 FLAT_MERGE_ROWS = 16
 FLAT_MERGE_BYTES = 64 * 1024
 # Bytes of the tail per launch as planned on a 132-SM GPU. A one-level merge reads at most 64 KiB
-# (tritonbn.kernels._layout._FLAT_MERGE_BYTES, else the plan merges in two levels). A grid is one wave at
+# (tritonbn.kernels._plan._FLAT_MERGE_BYTES, else the plan merges in two levels). A grid is one wave at
 # the kernel's occupancy: at most 4 programs of 8 warps per SM (<= 64 registers), so a two-level chain
 # reads up to 2 * 23 rows (R <= 4 * 132) of at most 128 channels (NCHW blocks; channels_last reductions
 # take 32) * 2 fp64: 92 KiB, about 0.63 us at the 150 GB/s one SM reads (the model's assumption); 106
@@ -90,7 +90,7 @@ def test_no_spills_and_at_most_128_registers(quick_audit):
 
 def test_one_round_trip_and_two_launches_per_training_pass(quick_audit):
     """A training pass is 2 launches, eval 1. Every main loop loads and stores 128 bits per thread (the
-    quick audit's 14x14 and 7x7 NCHW planes through grouped plans), issues all its loads before using
+    quick audit's 14x14 and 7x7 NCHW planes through packed plans), issues all its loads before using
     any (one round trip), and the statistics loop costs at most 8 SASS instructions per element."""
     rows, _, _ = quick_audit
     assert {r["mode"]: r["launch"].split("/")[1] for r in rows} == {

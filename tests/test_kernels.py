@@ -99,13 +99,13 @@ def _odd_chunk(p) -> bool:
                                                            ((11, 32, 14, 14), "contiguous", 2048)])  # fmt: skip
 def test_two_tiles_a_step(monkeypatch, dtype, shape, layout, cpu_tile):
     """The reductions' main loops that take two tiles a step (statistics always; the fp16/bf16 backward
-    reduction on channels_last and grouped 14x14 plans), over programs with an odd number of tiles (the
+    reduction on channels_last and packed 14x14 plans), over programs with an odd number of tiles (the
     last step's second tile lies past the chunk, masked whole): sums against float64."""
-    from tritonbn.kernels import _layout, backward_reduce, batch_norm_backward_reduce, batch_norm_stats
+    from tritonbn.kernels import _plan, backward_reduce, batch_norm_backward_reduce, batch_norm_stats
 
-    monkeypatch.setattr(_layout, "_CPU_TILE", cpu_tile)
-    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 8)
-    _layout.clear_caches()
+    monkeypatch.setattr(_plan, "_CPU_TILE", cpu_tile)
+    monkeypatch.setattr(_plan, "_CPU_PROGRAMS", 8)
+    _plan.clear_caches()
     torch.manual_seed(7)
     x = make_layout((torch.randn(shape) * 2 + 5).to(dtype), layout)
     dy = make_layout(torch.randn(shape).to(dtype), layout)
@@ -123,7 +123,7 @@ def test_two_tiles_a_step(monkeypatch, dtype, shape, layout, cpu_tile):
     xhat = (xd - mean.view(view)) * invstd.double().view(view)
     torch.testing.assert_close(sums[0].double(), dy.double().sum(dims), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(sums[1].double(), (dy.double() * xhat).sum(dims), atol=1e-5, rtol=1e-6)
-    _layout.clear_caches()
+    _plan.clear_caches()
 
 
 @pytest.mark.parametrize(("C", "levels"), [(64, 2), (128, 1), (256, 1), (2048, 1)])
@@ -132,13 +132,13 @@ def test_reductions_merge_narrow_channel_blocks(C, levels):
     reduction takes 32-channel blocks (its partials, merged after the main loops, grow as the block
     squared), and merges them in one level while they are at most 64 KiB; the elementwise kernels keep
     128-channel blocks; NCHW plans, and plans for the interpreter, are not narrowed."""
-    from tritonbn.kernels._layout import planned_as
+    from tritonbn.kernels._plan import planned_as
 
     x = torch.empty(32, C, 56, 56, device="meta").to(memory_format=torch.channels_last)
     with planned_as("cuda", 132):
         p = plan(x.shape, x, tile_scale=2, per_sm=3, merges=True)
         assert p.BLOCK_C == 32 and p.c_blocks * p.r_progs <= 3 * 132, p
-        assert (p.merge_groups > 1) == (levels == 2) and (p.G == p.r_progs) == (levels == 1), p
+        assert (p.merge_subtrees > 1) == (levels == 2) and (p.G == p.r_progs) == (levels == 1), p
         assert (2 * 8 * p.r_progs * p.BLOCK_C <= 64 * 1024) == (levels == 1), p
         assert plan(x.shape, x, x, tile_scale=2, per_sm=3).BLOCK_C == min(C, 128)
         nchw = torch.empty(32, C, 16, 16, device="meta")
@@ -152,17 +152,17 @@ def test_merge_in_several_steps(small_tiles, monkeypatch, levels, layout):
     """The merge loop over more rows than one step reads (2 rows a step here, up to 16 on a GPU): 9 to
     48 programs per channel block merged in one level (5 to 24 steps) or two (groups of 3 to 7, 2 to 4
     steps each): sums against float64."""
-    from tritonbn.kernels import _layout, batch_norm_backward_reduce, batch_norm_stats
+    from tritonbn.kernels import _plan, batch_norm_backward_reduce, batch_norm_stats
 
-    monkeypatch.setattr(_layout, "_MERGE_ROWS", 2)
-    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 48)
-    monkeypatch.setattr(_layout, "_FLAT_MERGE", 1 << 30 if levels == 1 else 3)
-    _layout.clear_caches()
+    monkeypatch.setattr(_plan, "_MERGE_ROWS", 2)
+    monkeypatch.setattr(_plan, "_CPU_PROGRAMS", 48)
+    monkeypatch.setattr(_plan, "_FLAT_MERGE", 1 << 30 if levels == 1 else 3)
+    _plan.clear_caches()
     torch.manual_seed(11)
     x = make_layout(torch.randn(3, 5, 8, 12) * 3 + 2, layout)
     dy = make_layout(torch.randn(3, 5, 8, 12), layout)
     for p in (plan(x.shape, x, tile_scale=2, merges=True), plan(x.shape, dy, x, x, merges=True)):
-        assert p.BLOCK_R == 2 and (p.merge_groups == 1) == (levels == 1), p
+        assert p.BLOCK_R == 2 and (p.merge_subtrees == 1) == (levels == 1), p
         assert p.r_progs > 2 * p.BLOCK_R if levels == 1 else p.G > p.BLOCK_R, p
     xd, dims = x.double(), (0, 2, 3)
     stats = batch_norm_stats(x)

@@ -5,7 +5,7 @@ the kernels under the interpreter, which has no compiled kernels) and, for every
 forward, backward and eval, compares the direct call with Triton's: the same ``CompiledKernel`` (the
 one Triton's cache key selects), grid, stream and argument tuple. The cases cover fp32, fp16, bf16
 and fp64; contiguous, channels_last, channels_last_3d and 2-D inputs; a view off 16-byte alignment;
-a grouped plan (7x7 NCHW) with a fused residual and relu; int64 offsets; two devices and two streams;
+a packed plan (7x7 NCHW) with a fused residual and relu; int64 offsets; two devices and two streams;
 and a layer planned as on a 132-SM GPU, whose launches fit their grids to the fake kernels' occupancy.
 """
 

@@ -13,7 +13,7 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from resnet50 import resnet50  # noqa: E402
+from tritonbn.cli.resnet50 import resnet50  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

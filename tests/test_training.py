@@ -8,7 +8,7 @@ from dist import load_ranks, save_rank, spawn
 from torch import nn
 
 import tritonbn
-from tritonbn.demo import ddp_without_buffer_sync
+from tritonbn.cli.demo import ddp_without_buffer_sync
 
 pytestmark = pytest.mark.distributed
 

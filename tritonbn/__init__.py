@@ -15,15 +15,20 @@
 Set ``TRITONBN_BACKEND=auto|triton|torch`` to choose the implementation (see :mod:`tritonbn.backend`).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from tritonbn import diagnose
-from tritonbn.accumulate import accumulate_stats
-from tritonbn.diagnose import recalibrate_batchnorm, sync_running_stats
+from tritonbn.convert import convert_sync_batchnorm, revert_sync_batchnorm
 from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.groups import syncbn_group
-from tritonbn.modules import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from tritonbn.modules import SyncBatchNorm
+from tritonbn.running_stats import accumulate_stats, recalibrate_batchnorm, sync_running_stats
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("tritonbn")  # the one version source: pyproject.toml, through the installed metadata
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tritonbn._numerics import compute_dtype
 from tritonbn.activations import check_output_gives_grad
 
 
@@ -50,8 +51,8 @@ def _grad_z(dy, xc, scale, bias, x, activation, slope, residual, output):
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
-    """The arithmetic type for ``x``, as in the kernels: float64 for float64 inputs, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    """The arithmetic type for ``x``, as in the kernels."""
+    return compute_dtype(x.dtype)
 
 
 def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

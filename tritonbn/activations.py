@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 ACTIVATIONS = (None, "relu", "leaky_relu", "silu")
 
 
@@ -24,3 +26,15 @@ def check_output_gives_grad(activation: str | None, negative_slope: float) -> No
             f"output: the sign of y gives act'(z) for relu or leaky_relu with a slope >= 0, not for {activation} "
             f"(slope {negative_slope}); pass residual instead"
         )
+
+
+# The torch modules whose function the kernels fuse, by name (timm's act layers and fx graphs hold these).
+ACTIVATION_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu"}
+
+
+def activation_of_module(module: nn.Module) -> tuple[str, float] | None:
+    """``(activation, negative_slope)`` the kernels compute for ``module`` (exactly that class), or ``None``."""
+    name = ACTIVATION_MODULES.get(type(module))
+    if name is None:
+        return None
+    return name, float(getattr(module, "negative_slope", 0.01))

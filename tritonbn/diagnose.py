@@ -15,21 +15,18 @@ repairs it:
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.overrides import TorchFunctionMode
 
 from tritonbn.distributed import check_signature, collective_device, debug_enabled, resolve_group
 from tritonbn.groups import group_ranks, group_size_of, syncbn_group
-from tritonbn.modules import _PLAIN, SyncBatchNorm
+from tritonbn.modules import SyncBatchNorm
 
 # A layer is in sync when, per channel, max - min across ranks <= ATOL + RTOL * max(|max|, |min|).
 ATOL = 1e-6
@@ -322,181 +319,3 @@ def _merge_groups(records: list[LayerRecord], size: int, count: int) -> list[boo
         r.diverged = v[6] > 0
         r.mismatches = [s for s, flag in zip(_SETTINGS, v[7:], strict=True) if flag > 0]
     return [flag == 0 for flag in merged[len(records) * _MERGED :]]
-
-
-def _tracked(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
-    return [(n, m) for n, m in batchnorm_modules(model) if m.track_running_stats and m.running_mean is not None]
-
-
-@torch.no_grad()
-def sync_running_stats(model: nn.Module, process_group=None) -> int:
-    """Pool the running statistics over the ranks of ``process_group`` (default: the world).
-
-    Every layer gets the mean over ranks of ``running_mean``, and the pooled variance
-    ``mean_r(var_r + mean_r^2) - mean^2``, which includes the spread of the means between ranks.
-    ``num_batches_tracked`` becomes the rounded mean over ranks. One packed fp64 all-reduce for the
-    whole model; afterwards every rank holds identical buffers. A collective: every rank must call it.
-    Returns the number of layers updated.
-
-    Two uses: repairing a model trained with unsynchronized BatchNorm, and, when BatchNorm
-    synchronizes within groups (:func:`tritonbn.syncbn_group`, whose running statistics differ
-    between groups by design), giving every rank the statistics of the whole world before
-    evaluating or saving a checkpoint, as timm's ``distribute_bn`` does. With groups of equal size,
-    pooling over the world's ranks weighs every group equally.
-    """
-    layers = _tracked(model)
-    group = resolve_group(process_group)
-    if group is None or not layers:
-        return len(layers)
-    world = dist.get_world_size(group)
-    device = collective_device(group)
-    parts = []
-    for _, m in layers:
-        mean, var = m.running_mean.double(), m.running_var.double()
-        nbt = m.num_batches_tracked.double().reshape(1) if m.num_batches_tracked is not None else mean.new_zeros(1)
-        parts += [mean.to(device), (var + mean * mean).to(device), nbt.to(device)]
-    packed = torch.cat(parts)
-    if debug_enabled():
-        check_signature(group, "sync_running_stats", {"BatchNorm layers": len(layers), "elements": packed.numel()})
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    packed /= world
-    offset = 0
-    for _, m in layers:
-        C = m.num_features
-        mean = packed[offset : offset + C]
-        second = packed[offset + C : offset + 2 * C]
-        m.running_mean.copy_(mean)
-        m.running_var.copy_((second - mean * mean).clamp_min(0))
-        if m.num_batches_tracked is not None:
-            m.num_batches_tracked.copy_(packed[offset + 2 * C].round().long())
-        offset += 2 * C + 1
-    return len(layers)
-
-
-class _BatchNormCalls(TorchFunctionMode):
-    """Routes ``F.batch_norm`` calls made directly inside a BatchNorm layer's own forward to ``normalize``.
-
-    ``enter``/``leave`` are that layer's forward pre- and post-hooks; calls outside such a layer pass through.
-    """
-
-    def __init__(self, normalize):
-        super().__init__()
-        self.normalize, self.stack = normalize, []
-
-    def enter(self, module, args):
-        self.stack.append(module)
-
-    def leave(self, module, args, output):
-        self.stack.pop()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.batch_norm or not self.stack:
-            return func(*args, **kwargs)
-        # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps): the
-        # layer's own parameters are used, as in its forward; only the statistics change.
-        return self.normalize(self.stack[-1], args[0] if args else kwargs["input"])
-
-
-def _default_forward(model: nn.Module, batch):
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, list | tuple):
-        return model(batch[0])
-    raise TypeError(f"batches must yield tensors, (input, ...) tuples or dicts, got {type(batch).__name__}")
-
-
-@torch.no_grad()
-def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward=None) -> int:
-    """Recompute every BatchNorm's running statistics exactly on ``batches`` ("precise BN").
-
-    Runs the model over ``batches`` (each rank its own, every rank the same number of batches) in
-    training mode, with every BatchNorm normalizing with the statistics synchronized over
-    ``process_group``, and accumulates each layer's input sums in fp64. One all-reduce at the end
-    gives every layer ``running_mean`` / ``running_var`` equal to the mean and unbiased variance of
-    the union of all ranks' batches, and ``num_batches_tracked`` the number of batches. That is
-    exact for a layer whose input does not depend on other BatchNorm layers (the first one); later
-    layers see inputs normalized with per-batch statistics, as in training. Every layer runs its own
-    forward (timm's ``BatchNormAct2d`` applies its ``drop`` and ``act``, a fused tritonbn module its
-    epilogue); only the normalization inside it changes.
-
-    ``forward(model, batch)`` runs one batch (default: ``model(batch)`` for a tensor,
-    ``model(batch[0])`` for a tuple or list, ``model(**batch)`` for a dict). The training mode of
-    every module and the BatchNorm settings are restored afterwards. A layer that sees no data keeps
-    its statistics. A collective: every rank must call it. Returns the number of batches run.
-    """
-    from tritonbn.backend import ops_for
-    from tritonbn.functional import batch_norm
-
-    count = 0
-    forward = forward or _default_forward
-    root = unwrap(model)
-    layers = batchnorm_modules(root)
-    group = resolve_group(process_group)
-    modes = [(m, m.training) for m in root.modules()]
-    sums: dict[int, torch.Tensor] = {}
-
-    def normalize(m: _BatchNorm, x, residual=None, activation=None, negative_slope=0.01):
-        """Batch norm over ``group`` with the batch statistics, accumulating ``m``'s input sums."""
-        stats = ops_for(x).batch_norm_stats(x)
-        sums[id(m)] = stats if id(m) not in sums else sums[id(m)] + stats
-        return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group, residual=residual,
-                          activation=activation, negative_slope=negative_slope)  # fmt: skip
-
-    # Every layer runs its own forward; only the batch norm inside it is replaced by `normalize`:
-    # torch's own classes compute nothing else, tritonbn's call `_normalize` (fused epilogue, then
-    # drop/act for SyncBatchNormAct), and other subclasses (timm's BatchNormAct2d) call F.batch_norm.
-    restore = []
-    with _BatchNormCalls(normalize) as calls:
-        try:
-            root.train()
-            for _, m in layers:
-                if isinstance(m, SyncBatchNorm):
-                    m._normalize = functools.partial(normalize, m, activation=m.activation,
-                                                     negative_slope=m.negative_slope)  # fmt: skip
-                    restore.append((m, "_normalize"))
-                elif type(m) in _PLAIN:
-                    m.forward = functools.partial(normalize, m)
-                    restore.append((m, "forward"))
-                else:
-                    restore += [(m.register_forward_pre_hook(calls.enter), None),
-                                (m.register_forward_hook(calls.leave, always_call=True), None)]  # fmt: skip
-            for batch in batches:
-                forward(model, batch)
-                count += 1
-        finally:
-            for m, name in restore:
-                if name is None:
-                    m.remove()
-                else:
-                    m.__dict__.pop(name, None)
-            for m, training in modes:
-                m.training = training
-
-    tracked = _tracked(root)
-    if not tracked:
-        return count
-    device = collective_device(group)
-    packed = torch.cat(
-        [sums.get(id(m), torch.zeros(2 * m.num_features + 1, dtype=torch.float64)).to(device) for _, m in tracked]
-    )
-    if group is not None:
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for _, m in tracked:
-        C = m.num_features
-        layer = packed[offset : offset + 2 * C + 1].to(m.running_mean.device)  # [sum x | sum x^2 | count]
-        s1, s2, n = layer[:C], layer[C : 2 * C], layer[2 * C]
-        offset += 2 * C + 1
-        if not n > 0:
-            continue
-        mean = s1 / n
-        var = ((s2 - n * mean * mean) / (n - 1).clamp_min(1)).clamp_min(0)
-        m.reset_running_stats()
-        m.running_mean.copy_(mean)
-        m.running_var.copy_(var)
-        if m.num_batches_tracked is not None:
-            m.num_batches_tracked.fill_(count)
-    return count

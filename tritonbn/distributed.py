@@ -8,6 +8,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from tritonbn._compat import default_group
+
 
 def resolve_group(process_group=None):
     """The group to synchronize over, or ``None`` when nothing needs to communicate.
@@ -23,17 +25,8 @@ def resolve_group(process_group=None):
     return group
 
 
-if dist.is_available():
-    from torch.distributed.distributed_c10d import GroupMember
-
-    def world():
-        """The default process group (``None`` before ``init_process_group``): groups resolved against it stay valid."""
-        return GroupMember.WORLD
-
-else:
-
-    def world():
-        return None
+# The default process group (None before init_process_group): groups resolved against it stay valid.
+world = default_group
 
 
 def all_reduce_sum(buffer: torch.Tensor, group) -> torch.Tensor:
@@ -67,7 +60,6 @@ class RemoteInputError(ValueError):
 
 
 _FIELDS = 6  # signature fields a call site may compare; the packed signature has a fixed size
-_TEXT_BYTES = 512  # what each rank's description may take in the error path
 _calls: dict[str, int] = {}  # per process group: how many signature checks this rank has made
 
 
@@ -144,13 +136,10 @@ def _describe(where: str, layer: str, fields: dict[str, float], local_error: Bas
 
 
 def _gather_texts(group, text: str) -> list[str]:
-    """Every rank's ``text`` (truncated to 512 bytes), by rank in ``group``: one all-reduce of a (W, 512) buffer."""
-    rows = torch.zeros((dist.get_world_size(group), _TEXT_BYTES), dtype=torch.uint8)
-    data = text.encode("utf-8")[:_TEXT_BYTES]
-    rows[dist.get_rank(group), : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = rows.to(collective_device(group))
-    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
-    return [bytes(row).rstrip(b"\0").decode("utf-8", "ignore") for row in rows.cpu().tolist()]
+    """Every rank's ``text``, by rank in ``group`` (``all_gather_object``: only on the error path)."""
+    texts: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(texts, text, group=group)
+    return texts
 
 
 def _by_rank(texts: list[str]) -> str:

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn.modules import _PLAIN, SyncBatchNorm, _move_state, fused_activation, name_layers
+from tritonbn.activations import activation_of_module
+from tritonbn.convert import _PLAIN, _move_state, fused_activation
+from tritonbn.modules import SyncBatchNorm, name_layers
 
-_ACT_MODULES = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu"}
 _ACT_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", torch.relu_: "relu", F.silu: "silu", F.leaky_relu: "leaky_relu"}
 _ACT_METHODS = {"relu": "relu", "relu_": "relu"}
 _ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
@@ -66,9 +67,8 @@ def _trace(model: nn.Module) -> fx.GraphModule:
 
 def _activation(node: fx.Node, modules: dict) -> tuple[str, float] | None:
     """``(activation, negative_slope)`` when ``node`` applies a fusable activation to its first argument."""
-    if node.op == "call_module" and type(modules[node.target]) in _ACT_MODULES:
-        module = modules[node.target]
-        return _ACT_MODULES[type(module)], float(getattr(module, "negative_slope", 0.01))
+    if node.op == "call_module" and (found := activation_of_module(modules[node.target])) is not None:
+        return found
     if node.op == "call_function" and node.target in _ACT_FUNCTIONS:
         name = _ACT_FUNCTIONS[node.target]
         slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)

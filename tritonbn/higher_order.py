@@ -4,9 +4,9 @@ The kernels' backward returns gradients that autograd cannot differentiate again
 invstd, and the global sums, are constants to it. Under ``create_graph=True`` (the only time
 ``torch.is_grad_enabled()`` holds inside a Function's backward) both autograd Functions instead call
 :func:`backward`, which recomputes the normalization from the saved input with torch ops whose
-statistics go through a *differentiable* all-reduce (:class:`AllReduceSum`), and differentiates that
-with ``create_graph=True``. The second-order terms then see the other ranks' data through the global
-sums, as the math requires. Nothing here runs on the first-order path.
+statistics go through a *differentiable* all-reduce (``torch.distributed.nn.functional.all_reduce``),
+and differentiates that with ``create_graph=True``. The second-order terms then see the other ranks'
+data through the global sums, as the math requires. Nothing here runs on the first-order path.
 
 Recompute (training), with ``m0`` the saved global mean (identical on every rank, so a safe shift)::
 
@@ -29,44 +29,25 @@ where the two means run over the global batch (one all-reduce of ``[sum dx | sum
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
-
-class AllReduceSum(torch.autograd.Function):
-    """``all_reduce(SUM)`` as an autograd Function: its backward is the same all-reduce of the gradient.
-
-    Every rank's loss depends on every rank's input through the sum, so the gradient of the summed
-    loss is the sum of the ranks' upstream gradients. The backward calls this Function again, so it
-    is differentiable to any order.
-    """
-
-    @staticmethod
-    def forward(ctx, buffer, group):
-        ctx.group = group
-        out = buffer.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return AllReduceSum.apply(grad, ctx.group), None
+from tritonbn._numerics import compute_dtype
+from tritonbn.distributed import all_reduce_sum
 
 
 def _reduce(buffer: torch.Tensor, group) -> torch.Tensor:
-    return buffer if group is None else AllReduceSum.apply(buffer, group)
+    """``all_reduce(SUM)`` that autograd differentiates: torch's own, whose backward is the same all-reduce of
+    the gradient (every rank's loss depends on every rank's input through the sum), itself differentiable."""
+    return buffer if group is None else differentiable_all_reduce(buffer, group=group)
 
 
 def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return v.reshape(1, -1, *([1] * (x.dim() - 2)))
 
 
-def _acc(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _normalized(x, mean, invstd, training, eps, group):
     """``xhat`` in the compute dtype, differentiable in ``x`` through the global statistics in training."""
-    acc = _acc(x)
+    acc = compute_dtype(x.dtype)
     xa = x.to(acc)
     if not training:
         return (xa - _per_channel(mean.to(acc), x)) * _per_channel(invstd.to(acc), x)
@@ -104,7 +85,7 @@ def backward(layer, eps, grad_out, x, weight, bias, mean, invstd, residual, outp
 
     ``needs`` is ``(input, weight, bias, residual)`` from ``ctx.needs_input_grad``; what is not
     needed is ``None``. ``output`` replaces ``residual`` for the sign of ``z`` (see
-    :mod:`tritonbn.functional`); relu's and leaky_relu's second derivative is zero, so the sign is
+    tritonbn._passes); relu's and leaky_relu's second derivative is zero, so the sign is
     all the double backward needs from it.
     """
     need_x, need_w, need_b, need_r = needs
@@ -127,7 +108,7 @@ def backward(layer, eps, grad_out, x, weight, bias, mean, invstd, residual, outp
 
 def jvp(layer, eps, x, weight, bias, mean, invstd, stats, residual, output, tx, tw, tb, tr):
     """The tangent of ``y`` for the tangents ``tx, tw, tb, tr`` of ``x, weight, bias, residual`` (``None``: zero)."""
-    acc = _acc(x)
+    acc = compute_dtype(x.dtype)
     xa = x.to(acc)
     xhat = (xa - _per_channel(mean.to(acc), x)) * _per_channel(invstd.to(acc), x)
     inv = _per_channel(invstd.to(acc), x)
@@ -138,8 +119,7 @@ def jvp(layer, eps, x, weight, bias, mean, invstd, stats, residual, output, tx, 
         tx = tx.to(acc)
         if layer.training:
             sums = torch.cat([tx.sum(dims), (xhat * tx).sum(dims)])
-            if layer.group is not None:
-                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=layer.group)
+            all_reduce_sum(sums, layer.group)
             n = stats[-1].clamp_min(1.0).to(acc)
             t = inv * (tx - _per_channel(sums[:C] / n, x)) - xhat * inv * _per_channel(sums[C:] / n, x)
         else:

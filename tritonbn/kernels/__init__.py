@@ -22,7 +22,7 @@ arguments and compute ``dz = dy * act'(z)`` on the fly, and ``batch_norm_backwar
 the residual's gradient into ``out_grad_residual``.
 """
 
-from tritonbn.kernels._layout import Plan, plan
+from tritonbn.kernels._plan import Plan, plan
 from tritonbn.kernels.backward_elemt import batch_norm_backward_elemt
 from tritonbn.kernels.backward_reduce import batch_norm_backward_reduce
 from tritonbn.kernels.elemt import batch_norm_elemt

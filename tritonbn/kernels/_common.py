@@ -1,7 +1,7 @@
 """Triton helpers shared by the kernels: the tile walk, per-channel statistics, tickets, epilogues.
 
 The tile walk. A program owns the contiguous chunk of tiles ``[t_start, t_end)`` (see
-:mod:`tritonbn.kernels._layout`). It keeps the tile's outer index ``o`` and inner tile ``it`` and
+:mod:`tritonbn.kernels._plan`). It keeps the tile's outer index ``o`` and inner tile ``it`` and
 steps them by one each iteration, without a division. Every loop issues the loads of the *next*
 tile before it computes on the current one (software prefetch into registers), so each iteration's
 loads are in flight together and overlap the previous tile's arithmetic.
@@ -18,13 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonbn._numerics import compute_dtype
 from tritonbn.activations import ACTIVATIONS
 
 
 def acc_dtypes(x: torch.Tensor):
     """The kernels' arithmetic type for ``x`` as ``(triton dtype, torch dtype)``: float64 for float64
     inputs, else float32. Saved invstd, partials and backward sums are kept in it."""
-    return (tl.float64, torch.float64) if x.dtype == torch.float64 else (tl.float32, torch.float32)
+    acc = compute_dtype(x.dtype)
+    return (tl.float64 if acc is torch.float64 else tl.float32), acc
 
 
 @triton.jit
@@ -58,7 +60,7 @@ def tile_mask(it, valid, c_mask, lanes, INNER_V, BLOCK_I: tl.constexpr, VEC: tl.
 def tile_offsets(o, cols, inner, O1, O2, s_c, s_o0, s_o1, s_o2, s_i, VEC: tl.constexpr):
     """Element offsets of a tile at outer index ``o`` in a tensor with the given strides.
 
-    The channel and outer strides arrive divided by ``VEC`` (see ``_layout._vector_hint``).
+    The channel and outer strides arrive divided by ``VEC`` (see ``_plan._vector_hint``).
     """
     o2 = o % O2
     o1 = (o // O2) % O1
@@ -68,36 +70,36 @@ def tile_offsets(o, cols, inner, O1, O2, s_c, s_o0, s_o1, s_o2, s_i, VEC: tl.con
 
 
 @triton.jit
-def channel_block(pid_c, C, BLOCK_C: tl.constexpr, GROUP: tl.constexpr):
-    """``(cols, c_mask)``: the ``BLOCK_C`` channel slots of program ``pid_c``, of which the first ``GROUP``
-    are its channels (all of them unless the plan is grouped, see :mod:`tritonbn.kernels._layout`)."""
+def channel_block(pid_c, C, BLOCK_C: tl.constexpr, PACK: tl.constexpr):
+    """``(cols, c_mask)``: the ``BLOCK_C`` channel slots of program ``pid_c``, of which the first ``PACK``
+    are its channels (all of them unless the plan is packed, see :mod:`tritonbn.kernels._plan`)."""
     k = tl.arange(0, BLOCK_C)
-    cols = pid_c * GROUP + k
-    if GROUP == BLOCK_C:
+    cols = pid_c * PACK + k
+    if PACK == BLOCK_C:
         return cols, cols < C
     else:
-        return cols, (k < GROUP) & (cols < C)
+        return cols, (k < PACK) & (cols < C)
 
 
 @triton.jit
-def tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr):
+def tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE: tl.constexpr, PACK: tl.constexpr, VEC: tl.constexpr):
     """``(rows, row_mask, inner_v)``: the rows of this program's tiles, their mask, and its inner size / VEC.
 
-    The rows are the channels; in a grouped plan (``PLANE > 0``) one row, the group, at element offset
-    ``pid_c * GROUP * PLANE`` (the plan gives it a channel stride of 1, and :func:`tile_offsets` then
-    takes ``VEC=1``), whose run is ``GROUP * PLANE`` elements, fewer for a last group that ``C`` cuts
+    The rows are the channels; in a packed plan (``PLANE > 0``) one row, the group, at element offset
+    ``pid_c * PACK * PLANE`` (the plan gives it a channel stride of 1, and :func:`tile_offsets` then
+    takes ``VEC=1``), whose run is ``PACK * PLANE`` elements, fewer for a last pack that ``C`` cuts
     short.
     """
     if PLANE > 0:
-        rows = tl.zeros([1], dtype=cols.dtype) + pid_c * (GROUP * PLANE)
-        return rows, rows >= 0, tl.minimum(INNER_V, (C - pid_c * GROUP) * PLANE // VEC)
+        rows = tl.zeros([1], dtype=cols.dtype) + pid_c * (PACK * PLANE)
+        return rows, rows >= 0, tl.minimum(INNER_V, (C - pid_c * PACK) * PLANE // VEC)
     else:
         return cols, c_mask, INNER_V
 
 
 @triton.jit
 def lane_channels(BLOCK_I: tl.constexpr, PLANE: tl.constexpr):
-    """The channel slot of each lane of a grouped tile (the lanes themselves when not grouped)."""
+    """The channel slot of each lane of a packed tile (the lanes themselves when not packed)."""
     lanes = tl.arange(0, BLOCK_I)
     if PLANE > 0:
         return lanes // PLANE
@@ -107,7 +109,7 @@ def lane_channels(BLOCK_I: tl.constexpr, PLANE: tl.constexpr):
 
 @triton.jit
 def per_lane(v, lane_ch, PLANE: tl.constexpr):
-    """A per-channel ``[BLOCK_C]`` value in the tile's shape: ``v[:, None]``, or in a grouped plan each
+    """A per-channel ``[BLOCK_C]`` value in the tile's shape: ``v[:, None]``, or in a packed plan each
     lane's channel's value, ``v[lane_ch][None, :]`` (a register gather, once per program)."""
     if PLANE > 0:
         return tl.gather(v, lane_ch, 0)[None, :]
@@ -132,11 +134,11 @@ def segment_sums(v, starts):
 
 @triton.jit
 def store_partials(part_ptr, pid_r, R, C, cols, c_mask, a0, a1, pid_c, lanes, inner_v,
-                   PLANE: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, MERGE: tl.constexpr):  # fmt: skip
+                   PLANE: tl.constexpr, PACK: tl.constexpr, VEC: tl.constexpr, MERGE: tl.constexpr):  # fmt: skip
     """Store this program's two per-lane accumulators, their lanes merged in ``MERGE``, as row ``pid_r``
     of ``(2, R, C)`` fp64 partials.
 
-    A grouped tile's lanes are reduced to channels by a segmented scan that restarts at each channel's
+    A packed tile's lanes are reduced to channels by a segmented scan that restarts at each channel's
     first lane: the value at a channel's last lane is its sum, untouched by its neighbours however
     different their sizes.
     """
@@ -144,7 +146,7 @@ def store_partials(part_ptr, pid_r, R, C, cols, c_mask, a0, a1, pid_c, lanes, in
     if PLANE > 0:
         starts = (lanes % PLANE == 0).to(tl.int32)
         ends = (lanes % PLANE == PLANE - 1) & (lanes < inner_v * VEC)
-        ch = pid_c * GROUP + lanes // PLANE
+        ch = pid_c * PACK + lanes // PLANE
         tl.store(part + ch, segment_sums(tl.reshape(a0, [a0.shape[1]]).to(MERGE), starts), mask=ends)
         tl.store(part + R * C + ch, segment_sums(tl.reshape(a1, [a1.shape[1]]).to(MERGE), starts), mask=ends)
     else:

@@ -8,7 +8,8 @@ constexpr follows from the plan and the dtypes, which their own caches are keyed
 :class:`Launch`). What is left is each pointer's 16-byte alignment, and the current device. So a
 :class:`Launch` finds the ``CompiledKernel`` once per (device, alignment) through Triton's own path
 (``kernel[grid](...)``, which also launches it), keeps it alive, and from then on calls its C
-launcher directly, with the same positional layout ``JITFunction.run`` ends in (Triton 3.6 to 3.9)::
+launcher directly, with the same positional layout ``JITFunction.run`` ends in (the Triton versions in
+:data:`tritonbn._compat.DIRECT_LAUNCH_VERIFIED`)::
 
     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
                  launch_metadata, launch_enter_hook, launch_exit_hook, *every_argument)
@@ -23,7 +24,7 @@ Triton's own path runs instead:
 
 * under the Triton interpreter (CPU tensors: there is no compiled kernel);
 * while a launch hook is set (a profiler such as proton) or the kernel has pre-run hooks;
-* when the installed Triton is not one whose launch layout was checked (:data:`VERIFIED`);
+* when the installed Triton is not one whose launch layout was checked (``DIRECT_LAUNCH_VERIFIED``);
 * for the first launch of each (plan, device, alignment), which compiles or finds the kernel;
 * when Triton has no active GPU driver (``benchmarks/kernel_audit.py`` records launches on a machine
   without a GPU through Triton's path).
@@ -47,14 +48,12 @@ from functools import reduce
 
 import torch
 import triton
-from triton import knobs
-from triton.runtime.driver import driver
 
-from tritonbn.kernels._layout import fits_occupancy
+from tritonbn._compat import DIRECT_LAUNCH_VERIFIED, direct_entry, load_binary, triton_driver, triton_runtime_knobs
+from tritonbn.kernels._plan import fits_occupancy
 
-# Triton versions whose JITFunction.run / CompiledKernel / C launcher layout the direct call follows
-# (checked in each release's runtime/jit.py, compiler/compiler.py, knobs.py and nvidia driver).
-VERIFIED = ((3, 6), (3, 9))
+_knobs = triton_runtime_knobs()  # ``interpret``, and the launch hook chains: a hook set there must see every launch
+driver = triton_driver()
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -64,9 +63,9 @@ def _version(text: str) -> tuple[int, int]:
 
 def direct_supported() -> bool:
     """Whether launches may skip ``JITFunction.run``: a checked Triton, and no interpreter."""
-    if knobs.runtime.interpret:
+    if _knobs.interpret:
         return False
-    low, high = VERIFIED
+    low, high = DIRECT_LAUNCH_VERIFIED
     return low <= _version(triton.__version__) <= high
 
 
@@ -109,7 +108,6 @@ def device_sm(index: int) -> dict:
 
 
 _data_ptr = torch.Tensor.data_ptr
-_hooks = knobs.runtime  # its launch hook chains: a hook set there must see every launch
 
 
 def refit_with(build, *args, device: torch.device):
@@ -173,8 +171,7 @@ class Launch:
             compiled = self.fn.warmup(*pointers, *self.scalars, grid=self.grid, **self.options)
             if compiled is None:
                 return
-            if hasattr(compiled, "_init_handles"):  # registers are known once the binary is loaded
-                compiled._init_handles()
+            load_binary(compiled)  # registers are known once the binary is loaded
             registers = getattr(compiled, "n_regs", None)
             if not registers:
                 return
@@ -207,7 +204,7 @@ class Launch:
                 key = device
             found = self.compiled.get(key)
             if found is not None and not (
-                _hooks.launch_enter_hook.calls or _hooks.launch_exit_hook.calls or fn.pre_run_hooks
+                _knobs.launch_enter_hook.calls or _knobs.launch_exit_hook.calls or fn.pre_run_hooks
             ):
                 run, function, metadata, _ = found
                 run(*self.grid, 1, active.get_current_stream(device), function, metadata, None, None, None,
@@ -215,11 +212,10 @@ class Launch:
                 return
             if self.refit is not None:
                 self._fit(pointers, device_sm(device))
-            compiled = fn[self.grid](*pointers, *self.scalars, **self.options)
-            if compiled is not None and hasattr(compiled, "packed_metadata"):
-                # Kept alive here: since Triton 3.8 a collected CompiledKernel unloads its module.
-                self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+            entry = direct_entry(fn[self.grid](*pointers, *self.scalars, **self.options))
+            if entry is not None:
+                self.compiled[key] = entry
             return
-        if self.refit is not None and not knobs.runtime.interpret:  # a Triton not in VERIFIED, on a GPU
+        if self.refit is not None and not _knobs.interpret:  # a Triton not in VERIFIED, on a GPU
             self._fit(pointers, device_sm(torch.cuda.current_device()))
         self.fn[self.grid](*pointers, *self.scalars, **self.options)

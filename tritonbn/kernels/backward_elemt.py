@@ -28,7 +28,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._layout import cache_put, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
 from tritonbn.kernels.backward_reduce import aux_tensor
 from tritonbn.kernels.elemt import empty_like_layout
 
@@ -95,14 +95,14 @@ def _batch_norm_backward_elemt_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
     VEC: tl.constexpr,
-    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
-    GROUP: tl.constexpr,  # channels per program
+    PLANE: tl.constexpr,  # packed plans: lanes per channel (see _plan); 0 otherwise
+    PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
 ):
     """dx = (dz - mean(dz) - xhat * mean(dz * xhat)) * invstd * weight, and d(residual) = dz."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, PACK)
     invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     if HAS_WEIGHT:
         scale = invstd * tl.load(w_ptr + cols, mask=c_mask, other=0.0).to(ACC)
@@ -132,7 +132,7 @@ def _batch_norm_backward_elemt_kernel(
     NEED_X: tl.constexpr = TRAINING or (ACTIVATION != 0 and AUX != 2)  # dx needs xhat, or z is recomputed
     READ_AUX: tl.constexpr = ACTIVATION != 0 and AUX != 0
     OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
-    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, PACK, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
@@ -278,7 +278,7 @@ def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux
         BLOCK_I=layout.BLOCK_I,
         VEC=layout.VEC,
         PLANE=layout.PLANE,
-        GROUP=layout.GROUP,
+        PACK=layout.PACK,
         USE_INT64=layout.use_int64,
     )
     tail = (*layout.size_args, *layout.stride_args, float(negative_slope))

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonbn._numerics import compute_dtype
 from tritonbn.activations import check_output_gives_grad
 from tritonbn.kernels._common import (
     ACTIVATION_CODES,
@@ -40,7 +41,8 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
+from tritonbn.kernels._workspace import workspace
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
@@ -71,11 +73,11 @@ def _batch_norm_backward_reduce_kernel(
     invstd_ptr,  # (C,) ACC saved invstd
     w_ptr,  # (C,) or unused
     b_ptr,  # (C,) or unused
-    part_ptr,  # (2, R, C) then (2, merge groups, C) fp64: each program's sum_dz, sum_dz_xc
+    part_ptr,  # (2, R, C) then (2, merge subtrees, C) fp64: each program's sum_dz, sum_dz_xc
     sums_ptr,  # (2, C) ACC out: [sum_dz | sum_dz_xhat]
     gw_ptr,  # (C,) out: local grad_weight, or unused
     gb_ptr,  # (C,) out: local grad_bias, or unused
-    ticket_ptr,  # (channel blocks, merge groups + 1) int32, zero before and after
+    ticket_ptr,  # (channel blocks, merge subtrees + 1) int32, zero before and after
     # sizes
     C,
     O1,
@@ -85,7 +87,7 @@ def _batch_norm_backward_reduce_kernel(
     tiles,
     tiles_per_prog,
     R,
-    G,  # programs per merge group (see merge_tree)
+    G,  # programs per merge subtree (see merge_tree)
     # strides of dy, x and aux
     sdy_c,
     sdy_o0,
@@ -115,15 +117,15 @@ def _batch_norm_backward_reduce_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr,
     VEC: tl.constexpr,
-    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
-    GROUP: tl.constexpr,  # channels per program
+    PLANE: tl.constexpr,  # packed plans: lanes per channel (see _plan); 0 otherwise
+    PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
     UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
 ):
     """Per-lane sums of dz and dz * (x - mean_hi); the last program merges every chunk."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, PACK)
     hi, lo = split_mean(tl.load(mean_ptr + cols, mask=c_mask, other=0.0), ACC)
     invstd = tl.load(invstd_ptr + cols, mask=c_mask, other=0.0).to(ACC)
     scale = invstd
@@ -143,7 +145,7 @@ def _batch_norm_backward_reduce_kernel(
         lanes = lanes.to(tl.int64)
     READ_AUX: tl.constexpr = ACTIVATION != 0 and AUX != 0
     OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
-    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, PACK, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
@@ -208,7 +210,7 @@ def _batch_norm_backward_reduce_kernel(
             dy2, x2, aux2 = dy2_next, x2_next, aux2_next
 
     # This program's partials, its lanes merged in ACC.
-    store_partials(part_ptr, pid_r, R, C, cols, c_mask, acc_dz, acc_dzx, pid_c, lanes, inner_v, PLANE, GROUP, VEC, ACC)
+    store_partials(part_ptr, pid_r, R, C, cols, c_mask, acc_dz, acc_dzx, pid_c, lanes, inner_v, PLANE, PACK, VEC, ACC)
     # The two-level merge in a fixed order (see merge_tree); one program ends with the sums over all R.
     last, sum_dz, sum_dzx_hi = merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask, BLOCK_R, BLOCK_C)
     if last:
@@ -280,7 +282,7 @@ def batch_norm_backward_reduce(
                                                    negative_slope, aux, aux_kind))  # fmt: skip
     device = x.device
     C = x.shape[1]
-    sdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sdtype = compute_dtype(x.dtype)
     sums = torch.empty((2, C), dtype=sdtype, device=device)
     gdtype = weight.dtype if weight is not None else sdtype
     grad_weight = torch.empty(C, dtype=gdtype, device=device) if weight_grad else None
@@ -308,8 +310,8 @@ _launches = launch_cache()
 
 def _unroll(x: torch.Tensor, layout) -> int:
     """Tiles per step of the main loop: 2 where one tile of fp16/bf16 leaves too few bytes in flight and
-    a second one fits. Channels_last tiles and grouped ones (which cannot widen, see ``_layout``) take
-    two, except grouped 7x7 planes, whose 64 channel slots of per-lane values took 130-132 registers;
+    a second one fits. Channels_last tiles and packed ones (which cannot widen, see ``_plan``) take
+    two, except packed 7x7 planes, whose 64 channel slots of per-lane values took 130-132 registers;
     NCHW tiles stay at one: Triton 3.6 splits their loads to 64 bits at two (3.9 does not)."""
     if x.element_size() > 2:
         return 1
@@ -336,7 +338,7 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
         BLOCK_R=layout.BLOCK_R,
         VEC=layout.VEC,
         PLANE=layout.PLANE,
-        GROUP=layout.GROUP,
+        PACK=layout.PACK,
         USE_INT64=layout.use_int64,
         UNROLL=_unroll(x, layout),
     )

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonbn._numerics import compute_dtype
 from tritonbn.kernels._common import (
     ACTIVATION_CODES,
     acc_dtypes,
@@ -44,7 +45,8 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
+from tritonbn.kernels._workspace import workspace
 
 
 # One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).
@@ -107,14 +109,14 @@ def _batch_norm_elemt_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
     VEC: tl.constexpr,
-    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
-    GROUP: tl.constexpr,  # channels per program
+    PLANE: tl.constexpr,  # packed plans: lanes per channel (see _plan); 0 otherwise
+    PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
 ):
     """y = act((x - mean) * invstd * weight + bias + residual), plus saved stats and the running-stat update."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, PACK)
     mean64, var64, n_all = channel_stats(stats_ptr, rmean_ptr, rvar_ptr, cols, c_mask, C, TRAINING)
     invstd64 = 1.0 / tl.sqrt(var64 + (tl.cast(eps, tl.float64) + tl.cast(eps_lo, tl.float64)))
     invstd = invstd64.to(ACC)
@@ -165,7 +167,7 @@ def _batch_norm_elemt_kernel(
         cols = cols.to(tl.int64)
         lanes = lanes.to(tl.int64)
     OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
-    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, PACK, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
@@ -269,7 +271,7 @@ def batch_norm_elemt(
     if save_stats:
         C = x.shape[1]
         mean = torch.empty(C, dtype=torch.float64, device=device)
-        invstd = torch.empty(C, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=device)
+        invstd = torch.empty(C, dtype=compute_dtype(x.dtype), device=device)
         dummy = mean
     else:
         mean = invstd = None
@@ -318,7 +320,7 @@ def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
         BLOCK_I=layout.BLOCK_I,
         VEC=layout.VEC,
         PLANE=layout.PLANE,
-        GROUP=layout.GROUP,
+        PACK=layout.PACK,
         USE_INT64=layout.use_int64,
     )
     tail = (

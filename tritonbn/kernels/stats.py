@@ -40,7 +40,8 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
+from tritonbn.kernels._workspace import workspace
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
@@ -49,9 +50,9 @@ from tritonbn.kernels._layout import cache_put, launch_cache, plan, workspace
 def _batch_norm_stats_kernel(
     # pointers
     x_ptr,  # (N, C, *S), any strides
-    part_ptr,  # (2, R, C) then (2, merge groups, C) fp64: each program's shifted sums S1, S2
+    part_ptr,  # (2, R, C) then (2, merge subtrees, C) fp64: each program's shifted sums S1, S2
     stats_ptr,  # (2C + 1,) fp64 out: [sum x | sum x^2 | count]
-    ticket_ptr,  # (channel blocks, merge groups + 1) int32, zero before and after
+    ticket_ptr,  # (channel blocks, merge subtrees + 1) int32, zero before and after
     # sizes
     C,
     O1,
@@ -61,7 +62,7 @@ def _batch_norm_stats_kernel(
     tiles,
     tiles_per_prog,
     R,
-    G,  # programs per merge group (see merge_tree)
+    G,  # programs per merge subtree (see merge_tree)
     count,  # elements per channel in x
     # strides of x
     sx_c,
@@ -75,15 +76,15 @@ def _batch_norm_stats_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr,
     VEC: tl.constexpr,
-    PLANE: tl.constexpr,  # grouped plans: lanes per channel (see _layout); 0 otherwise
-    GROUP: tl.constexpr,  # channels per program
+    PLANE: tl.constexpr,  # packed plans: lanes per channel (see _plan); 0 otherwise
+    PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
     UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
 ):
     """Shifted per-lane sums of x over a chunk of tiles; the last program merges every chunk."""
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
-    cols, c_mask = channel_block(pid_c, C, BLOCK_C, GROUP)
+    cols, c_mask = channel_block(pid_c, C, BLOCK_C, PACK)
     lane_ch = lane_channels(BLOCK_I, PLANE)
     lanes = tl.arange(0, BLOCK_I)
     if USE_INT64:
@@ -102,7 +103,7 @@ def _batch_norm_stats_kernel(
     first_l = pivot_l.to(first.dtype)
 
     OVEC: tl.constexpr = 1 if PLANE > 0 else VEC  # what tile_offsets multiplies the strides by
-    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, GROUP, VEC)
+    rows, row_mask, inner_v = tile_rows(pid_c, cols, c_mask, C, INNER_V, PLANE, PACK, VEC)
     t_start = pid_r * tiles_per_prog
     t_end = tl.minimum(t_start + tiles_per_prog, tiles)
     o, it = tile_start(t_start, inner_tiles, USE_INT64)
@@ -138,7 +139,7 @@ def _batch_norm_stats_kernel(
             x2 = x2_next
 
     # This program's partials, its lanes merged in fp64.
-    store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, GROUP, VEC, tl.float64)
+    store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, PACK, VEC, tl.float64)
     # The two-level merge in a fixed order (see merge_tree); one program ends with the sums over all R.
     last, S1, S2 = merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask, BLOCK_R, BLOCK_C)
     if last:
@@ -188,7 +189,7 @@ def _launch(x: torch.Tensor, per_sm: int | None = None) -> Launch:
         BLOCK_R=layout.BLOCK_R,
         VEC=layout.VEC,
         PLANE=layout.PLANE,
-        GROUP=layout.GROUP,
+        PACK=layout.PACK,
         USE_INT64=layout.use_int64,
         UNROLL=2,
     )

@@ -14,13 +14,13 @@ one outer index. Tiles are numbered ``t = outer * inner_tiles + inner_tile`` and
 contiguous chunks, one chunk per program along grid axis 1, so the reduction runs in parallel
 over channels (axis 0) *and* over ``N*S`` (axis 1). No ``.contiguous()`` copy is ever made.
 
-**Channel groups.** A contiguous NCHW plane whose size has no factor of 8 (7x7 = 49, 14x14 = 196,
+**Packed planes.** A contiguous NCHW plane whose size has no factor of 8 (7x7 = 49, 14x14 = 196,
 3x3 = 9) cannot be read in 16-byte vectors plane by plane: plane ``c`` starts at ``c * 49``
-elements. ``GROUP`` consecutive planes, though, are one contiguous run per sample that starts on a
-16-byte boundary when ``GROUP * H * W`` is a multiple of 8. For such inputs the plan is *grouped*
-(``PLANE = H * W``): a program owns ``GROUP`` channels, and its tile is a ``[1, BLOCK_I]`` run of
-``GROUP * PLANE`` elements (up to 5% of the lanes idle) of one sample; lane ``f`` belongs to channel
-``f // PLANE`` of the group. The kernels broadcast per-channel values to the lanes once per program
+elements. ``PACK`` consecutive planes, though, are one contiguous run per sample that starts on a
+16-byte boundary when ``PACK * H * W`` is a multiple of 8. For such inputs the plan is *packed*
+(``PLANE = H * W``): a program owns ``PACK`` channels, and its tile is a ``[1, BLOCK_I]`` run of
+``PACK * PLANE`` elements (up to 5% of the lanes idle) of one sample; lane ``f`` belongs to channel
+``f // PLANE`` of the pack. The kernels broadcast per-channel values to the lanes once per program
 (:func:`tritonbn.kernels._common.per_lane`) and reduce lanes to channels by a segmented scan
 (:func:`tritonbn.kernels._common.store_partials`).
 """
@@ -67,7 +67,7 @@ _FLAT_MERGE_BYTES = 64 * 1024
 # interpreter, whose merges are of at most _CPU_PROGRAMS partials and whose cost is per program.
 _MERGE_BLOCK_C = 32
 _INT32_MAX = 2**31 - 1
-_GROUP_ALIGN = 8  # elements a grouped run starts on: 16 bytes of fp16/bf16, 32 of fp32
+_PACK_ALIGN = 8  # elements a packed run starts on: 16 bytes of fp16/bf16, 32 of fp32
 
 
 def _next_pow2(n: int) -> int:
@@ -146,9 +146,9 @@ class Plan:
     num_warps: int
     VEC: int  # divides INNER and every channel and outer stride (see _vector_hint)
     BLOCK_R: int  # rows of partials the last program merges at a time
-    PLANE: int  # grouped plans: the plane size (lanes per channel); 0 otherwise
-    GROUP: int  # channels per program: GROUP of the BLOCK_C per-channel slots (BLOCK_C when not grouped)
-    G: int  # programs per merge group: r_progs when the merge is one level (see _merge_group)
+    PLANE: int  # packed plans: the plane size (lanes per channel); 0 otherwise
+    PACK: int  # channels per program: PACK of the BLOCK_C per-channel slots (BLOCK_C when not packed)
+    G: int  # programs per merge subtree: r_progs when the merge is one level (see _merge_subtree)
     # What every kernel takes, computed once per plan:
     size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
     stride_args: tuple[int, ...]  # per tensor: (s_c, s_o0, s_o1, s_o2) / VEC, then s_i
@@ -163,66 +163,19 @@ class Plan:
         return (self.c_blocks, self.r_progs)
 
     @property
-    def merge_groups(self) -> int:
+    def merge_subtrees(self) -> int:
         """Level-2 partial rows per channel block (1 when the merge is one level)."""
         return -(-self.r_progs // self.G)
 
     @property
     def merge_tickets(self) -> int:
         """Ticket counters a reducing launch takes: a top counter and one per group, per channel block."""
-        return self.c_blocks * (self.merge_groups + 1)
+        return self.c_blocks * (self.merge_subtrees + 1)
 
     @property
     def merge_scratch(self) -> int:
         """float64 scratch values of a reducing launch: ``(2, r_progs, C)`` partials, then ``(2, groups, C)``."""
-        return 2 * (self.r_progs + self.merge_groups) * self.C
-
-
-class Workspace:
-    """Per device and stream: ticket counters at zero, and scratch memory for the reductions' partials.
-
-    A kernel that takes tickets (see :mod:`tritonbn.kernels._common`) leaves them at zero, and the
-    partials are read only by the launch that wrote them, so launches on one stream, which run one
-    after another, share one workspace: no memset and no allocation per launch, nor in a captured
-    CUDA graph once the workspace exists. A workspace that must grow is replaced, and the old buffers
-    are kept alive: a graph captured with them may still replay.
-    """
-
-    __slots__ = ("tickets", "scratch", "retired")
-
-    def __init__(self, device: torch.device) -> None:
-        self.tickets = torch.zeros(1024, dtype=torch.int32, device=device)
-        self.scratch = torch.empty(4096, dtype=torch.float64, device=device)
-        self.retired: list[torch.Tensor] = []
-
-    def grow(self, tickets: int, scratch: int) -> None:
-        if tickets > self.tickets.numel():
-            self.retired.append(self.tickets)
-            self.tickets = torch.zeros(2 * tickets, dtype=torch.int32, device=self.tickets.device)
-        if scratch > self.scratch.numel():
-            self.retired.append(self.scratch)
-            self.scratch = torch.empty(2 * scratch, dtype=torch.float64, device=self.scratch.device)
-
-
-_workspaces: dict = {}
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def workspace(device: torch.device, tickets: int = 0, scratch: int = 0) -> Workspace:
-    """The :class:`Workspace` of ``device`` and its current stream, with room for ``tickets`` counters
-    and ``scratch`` float64 values."""
-    key = (device, _raw_stream(device.index) if device.type == "cuda" else 0)
-    ws = _workspaces.get(key)
-    if ws is None:
-        ws = _workspaces[key] = Workspace(device)
-    if tickets > ws.tickets.numel() or scratch > ws.scratch.numel():
-        ws.grow(tickets, scratch)
-    return ws
-
-
-def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """``n`` int32 ticket counters at zero on ``device``, for one launch on the current stream."""
-    return workspace(device, tickets=n).tickets
+        return 2 * (self.r_progs + self.merge_subtrees) * self.C
 
 
 # Caches of launch settings that the launchers key by shape, strides and dtypes (see
@@ -314,11 +267,11 @@ def _plan_cached(
     max_offset = 0
     if all(shape):
         max_offset = max(sum((size - 1) * abs(s) for size, s in zip(shape, st, strict=True)) for st in all_strides)
-    # A grouped tile stays at one tile's lanes even for the statistics: their segmented scan, in fp64,
+    # A packed tile stays at one tile's lanes even for the statistics: their segmented scan, in fp64,
     # would need more than 128 registers at twice that.
-    grouped = _grouped(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset, per_sm)
-    if grouped is not None:
-        return grouped
+    packed = _packed(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset, per_sm)
+    if packed is not None:
+        return packed
     c_pow2 = _next_pow2(C)
     if _channels_fastest(strides):  # channels_last: lanes along C are contiguous
         BLOCK_C = min(c_pow2, _MERGE_BLOCK_C if merges and kind[0] == "cuda" else 128)
@@ -330,7 +283,7 @@ def _plan_cached(
     inner_tiles = max(1, -(-inner_size // BLOCK_I))
     tiles = outer * inner_tiles if inner_size else 0
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
-    G = _merge_group(r_progs, min(C, BLOCK_C))
+    G = _merge_subtree(r_progs, min(C, BLOCK_C))
     VEC = _vector_hint(inner_size, strides)
     return Plan(
         C=C,
@@ -353,7 +306,7 @@ def _plan_cached(
         VEC=VEC,
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=0,
-        GROUP=BLOCK_C,
+        PACK=BLOCK_C,
         G=G,
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
         stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
@@ -376,8 +329,8 @@ def _split(tiles: int, c_blocks: int, kind: tuple[str, int], per_sm: int | None)
     return max(1, -(-tiles // tiles_per_prog)), tiles_per_prog  # drop programs that would get no tile
 
 
-def _merge_group(r_progs: int, channels: int) -> int:
-    """Programs per merge group: all of them up to ``_FLAT_MERGE``, or while their partials of ``channels``
+def _merge_subtree(r_progs: int, channels: int) -> int:
+    """Programs per merge subtree: all of them up to ``_FLAT_MERGE``, or while their partials of ``channels``
     channels each fit ``_FLAT_MERGE_BYTES``; else ``ceil(sqrt(r_progs))``, which makes the serial tail
     (a group, then at most as many level-2 rows) about ``2 sqrt(r_progs)`` rows."""
     if r_progs <= _FLAT_MERGE or 2 * 8 * r_progs * channels <= _FLAT_MERGE_BYTES:
@@ -391,30 +344,30 @@ def _merge_rows(group: int, BLOCK_C: int) -> int:
     return max(1, min(_next_pow2(group), _MERGE_TILE // BLOCK_C, _MERGE_ROWS))
 
 
-def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_sm) -> Plan | None:
-    """The grouped plan (see the module docstring) when it gives 16-byte vectors that planes alone
+def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_sm) -> Plan | None:
+    """The packed plan (see the module docstring) when it gives 16-byte vectors that planes alone
     cannot, else ``None``.
 
     It needs every tensor's planes contiguous and back to back (``stride_c == H * W``, unit inner
     stride), at most one outer dim (``N``) with a stride divisible by 16, ``C`` a multiple of the
-    smallest aligned group, and a group that fits a tile. The kernels take the outer strides as they
+    smallest aligned pack, and a pack that fits a tile. The kernels take the outer strides as they
     are (not divided by ``VEC``): Triton's divisibility-by-16 specialization of integer arguments
     shows their alignment, and the loop steps by a stride it reads straight from the constant bank.
     """
-    if extra_outer != 1 or plane < 2 or C < 2 or _vector_hint(plane, strides) >= _GROUP_ALIGN:
+    if extra_outer != 1 or plane < 2 or C < 2 or _vector_hint(plane, strides) >= _PACK_ALIGN:
         return None
     if not all(s[4] == 1 and s[0] == plane for s in strides):
         return None
-    g_min = _GROUP_ALIGN // math.gcd(plane, _GROUP_ALIGN)
+    g_min = _PACK_ALIGN // math.gcd(plane, _PACK_ALIGN)
     group = (tile // plane) // g_min * g_min
     if group == 0 or C % g_min:
         return None
-    if group >= C:  # every channel in one group: a tile just large enough
+    if group >= C:  # every channel in one pack: a tile just large enough
         group, tile = C, _next_pow2(C * plane)
     outer_strides = [s[1] for s in strides] if outer > 1 else []
     if any(s % 16 for s in outer_strides):  # Triton's own divisibility-by-16 hint must hold for them
         return None
-    vec = 16  # what the masks change by: the run of a group, and of the last one
+    vec = 16  # what the masks change by: the run of a pack, and of the last one
     for v in (group * plane, C * plane):
         while v % vec:
             vec //= 2
@@ -422,7 +375,7 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_
     c_blocks = -(-C // group)
     tiles = outer
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
-    G = _merge_group(r_progs, group)
+    G = _merge_subtree(r_progs, group)
     return Plan(
         C=C,
         O1=1,
@@ -442,10 +395,10 @@ def _grouped(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_
         VEC=vec,
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=plane,
-        GROUP=group,
+        PACK=group,
         G=G,
         size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
-        # As they are: a tile starts at o * stride_o0 + pid_c * GROUP * PLANE (see _common.tile_rows),
+        # As they are: a tile starts at o * stride_o0 + pid_c * PACK * PLANE (see _common.tile_rows),
         # whose alignment Triton sees from its hint on the stride and from the constexprs.
         stride_args=tuple(x for s in strides for x in (1, s[1] if outer > 1 else 0, 0, 0, 1)),
     )

@@ -1,8 +1,8 @@
-"""Grouped plans: contiguous NCHW planes with no factor of 8 (7x7, 14x14, 3x3), read as runs of whole channels.
+"""Packed plans: contiguous NCHW planes with no factor of 8 (7x7, 14x14, 3x3), read as runs of whole channels.
 
-Each case checks first that the plan really is grouped (so the test exercises that path), then runs
+Each case checks first that the plan really is packed (so the test exercises that path), then runs
 the module path against the float64 oracle. ``mid_tiles`` makes groups small enough that a layer has
-several groups, a last group that ``C`` cuts short, and several programs per group.
+several groups, a last pack that ``C`` cuts short, and several programs per group.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ import triton.language as tl
 from oracle import PARAM_GRAD_TOL, TOLERANCES
 
 import tritonbn
-from tritonbn.kernels import _layout
+from tritonbn.kernels import _plan
 from tritonbn.kernels._common import segment_sums
-from tritonbn.kernels._layout import plan, planned_as
+from tritonbn.kernels._plan import plan, planned_as
 
 
 @pytest.fixture
 def mid_tiles(monkeypatch):
-    monkeypatch.setattr(_layout, "_CPU_TILE", 2048)
-    monkeypatch.setattr(_layout, "_CPU_PROGRAMS", 16)
-    _layout.clear_caches()
+    monkeypatch.setattr(_plan, "_CPU_TILE", 2048)
+    monkeypatch.setattr(_plan, "_CPU_PROGRAMS", 16)
+    _plan.clear_caches()
     yield
-    _layout.clear_caches()
+    _plan.clear_caches()
 
 
 # (shape, groups of the elementwise plan): 7x7 with a short last group, 14x14, 3x3 in one group, 3-D
@@ -133,7 +133,7 @@ def _segment_sums_kernel(v_ptr, s_ptr, o_ptr, N: tl.constexpr):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_segmented_scan_adds_left_to_right(dtype):
-    """The grouped plans' segmented sum (in NumPy under tests/fast_interpreter.py) restarts at each
+    """The packed plans' segmented sum (in NumPy under tests/fast_interpreter.py) restarts at each
     flagged lane and otherwise adds in lane order: the same bits as a plain left-to-right loop."""
     g = torch.Generator().manual_seed(3)
     values = (torch.randn(256, generator=g, dtype=torch.float64) * 1e3).to(dtype)

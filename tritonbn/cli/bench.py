@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from tritonbn._numerics import compute_dtype
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_NOTE = (
     "CPU run: these times say nothing about a GPU. The Triton kernels are written for GPUs; on CPU they run "
@@ -49,13 +51,13 @@ CPU_NOTE = (
 
 
 def _demo_cnn() -> nn.Module:
-    from tritonbn.demo import make_model
+    from tritonbn.cli.demo import make_model
 
     return make_model()
 
 
 def _resnet50() -> nn.Module:
-    from tritonbn.resnet50 import resnet50
+    from tritonbn.cli.resnet50 import resnet50
 
     return resnet50()
 
@@ -211,7 +213,7 @@ def _case(provider: str, s: Shape, mode: str, device: torch.device, group, world
     C = s.shape[1]
     x = torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device)
     x.copy_(torch.randn(s.shape, generator=g).to(s.dtype))
-    pdtype = torch.float64 if s.dtype == torch.float64 else torch.float32
+    pdtype = compute_dtype(s.dtype)
     w = torch.rand(C, generator=g, dtype=pdtype).to(device).requires_grad_()
     b = torch.randn(C, generator=g, dtype=pdtype).to(device).requires_grad_()
     rm, rv = torch.zeros(C, device=device, dtype=pdtype), torch.ones(C, device=device, dtype=pdtype)

@@ -1,0 +1,123 @@
+"""Argument checks: everything a rank can get wrong alone is rejected before any collective, naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+from tritonbn._numerics import FLOAT_DTYPES
+from tritonbn.activations import check_activation
+from tritonbn.distributed import dtype_code
+
+# Raised wherever tritonbn.accumulate_stats meets a call it cannot pool: compiled, transformed or traced.
+ACCUMULATE_EAGER_ONLY = (
+    "tritonbn.accumulate_stats needs eager calls: it does not work under torch.compile, functorch transforms (vmap) "
+    "or dispatch modes (make_fx)"
+)
+
+
+def _check_vector(name: str, t: torch.Tensor | None, C: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape ({C},) or None, got {type(t).__name__}")
+    if t.dim() != 1 or t.shape[0] != C:
+        raise ValueError(f"{name} must have shape ({C},) to match the {C} channels of input, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the input's device {device}, got {t.device}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def check_momentum(momentum: float | None) -> None:
+    if momentum is not None and not (0.0 <= float(momentum) <= 1.0):
+        raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
+
+
+def check_inputs(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    momentum: float | None,
+    eps: float,
+    num_batches_tracked: torch.Tensor | None = None,
+    num_features: int | None = None,
+    residual: torch.Tensor | None = None,
+    training: bool = True,
+) -> None:
+    """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone.
+
+    As in torch, ``eps`` must be positive in training and non-negative in eval, and ``momentum``
+    (unused in eval) is only checked in training.
+    """
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a tensor, got {type(input).__name__}")
+    if not 2 <= input.dim() <= 5:
+        raise ValueError(f"input must have 2 to 5 dimensions (N, C, *S), got shape {tuple(input.shape)}")
+    if input.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got dtype {input.dtype}")
+    C = input.shape[1]
+    if num_features is not None and C != num_features:
+        raise ValueError(f"input has {C} channels (dim 1), but num_features={num_features}")
+    if C == 0:
+        raise ValueError(f"input must have at least one channel (dim 1), got shape {tuple(input.shape)}")
+    device = input.device
+    _check_vector("running_mean", running_mean, C, device)
+    _check_vector("running_var", running_var, C, device)
+    _check_vector("weight", weight, C, device)
+    _check_vector("bias", bias, C, device)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must both be tensors or both be None")
+    if training:
+        check_momentum(momentum)
+        if not float(eps) > 0.0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    elif not float(eps) >= 0.0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a tensor shaped like input or None, got {type(residual).__name__}")
+        if residual.shape != input.shape:
+            raise ValueError(f"residual must have the input's shape {tuple(input.shape)}, got {tuple(residual.shape)}")
+        if residual.device != input.device:
+            raise ValueError(f"residual must be on the input's device {input.device}, got {residual.device}")
+        if residual.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"residual must be a floating-point tensor, got dtype {residual.dtype}")
+    if num_batches_tracked is not None:
+        if num_batches_tracked.numel() != 1 or num_batches_tracked.dtype != torch.long:
+            raise ValueError(
+                "num_batches_tracked must be a one-element int64 tensor, got "
+                f"shape {tuple(num_batches_tracked.shape)} dtype {num_batches_tracked.dtype}"
+            )
+        if num_batches_tracked.device != device:
+            raise ValueError(
+                f"num_batches_tracked must be on the input's device {device}, got {num_batches_tracked.device}"
+            )
+
+
+def signature(input, training: bool, input_grad: bool) -> dict[str, float]:
+    """What every rank must agree on before a collective (TRITONBN_DEBUG=1), besides the call and the layer."""
+    ok = isinstance(input, torch.Tensor) and input.dim() >= 2
+    return {
+        "channels": input.shape[1] if ok else -1,
+        "ndim": input.dim() if ok else -1,
+        "dtype": dtype_code(input.dtype) if ok else 0,
+        "training": int(training),
+        "input_grad": int(input_grad),
+    }
+
+
+def check_call(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features):
+    """Every check of one call of ``layer`` (a :class:`tritonbn._passes.Layer`): :func:`check_inputs` and the
+    rules that need the layer's mode."""
+    training = layer.training
+    check_inputs(input, running_mean, running_var, weight, bias, layer.momentum, layer.eps, num_batches_tracked,
+                 num_features, residual, training=training)  # fmt: skip
+    check_activation(layer.activation, layer.negative_slope)
+    if not training and running_mean is None:
+        raise ValueError("running_mean and running_var are required when training=False")
+    if training and layer.group is None and input.numel() // input.shape[1] == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}")
+    if training and layer.momentum is None and running_mean is not None and num_batches_tracked is None:
+        raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
