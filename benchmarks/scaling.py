@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tritonbn.cli._spawn import spawn  # noqa: E402
 from tritonbn.cli.resnet50 import resnet50  # noqa: E402
 
 IMPLS = ("tritonbn", "allgather")
@@ -98,45 +99,39 @@ def _step(messages, group, log=None) -> None:
                 log.append(out.numel() * out.element_size())
 
 
-def _worker(rank: int, world: int, init_file: str, channels, group_sizes, warmup: int, steps: int, out_file: str):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, channels, group_sizes, warmup: int, steps: int, out_file: str):
     import tritonbn
 
     rows = []
-    try:
-        for group_size, impl in itertools.product(group_sizes, IMPLS):
-            group = tritonbn.syncbn_group(group_size)
-            messages = _messages(impl, channels, group_size)
-            log: list[int] = []
-            _step(messages, group, log)  # also the first warm-up step
-            for _ in range(warmup - 1):
-                _step(messages, group)
-            dist.barrier()
-            times = torch.zeros(steps, dtype=torch.float64)
-            for s in range(steps):
-                t0 = time.perf_counter()
-                _step(messages, group)
-                times[s] = time.perf_counter() - t0
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # each step: the slowest rank
-            rows.append(
-                {
-                    "world": world,
-                    "impl": impl,
-                    "group_size": group_size,
-                    "collectives_per_step": len(log),
-                    "bytes_per_step": sum(log),
-                    "us_per_step": round(statistics.median(times.tolist()) * 1e6, 1),
-                    "us_quartiles": [round(q * 1e6, 1) for q in statistics.quantiles(times.tolist(), n=4)],
-                    "steps": steps,
-                }
-            )
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(rows, f)
+    for group_size, impl in itertools.product(group_sizes, IMPLS):
+        group = tritonbn.syncbn_group(group_size)
+        messages = _messages(impl, channels, group_size)
+        log: list[int] = []
+        _step(messages, group, log)  # also the first warm-up step
+        for _ in range(warmup - 1):
+            _step(messages, group)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        times = torch.zeros(steps, dtype=torch.float64)
+        for s in range(steps):
+            t0 = time.perf_counter()
+            _step(messages, group)
+            times[s] = time.perf_counter() - t0
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # each step: the slowest rank
+        rows.append(
+            {
+                "world": world,
+                "impl": impl,
+                "group_size": group_size,
+                "collectives_per_step": len(log),
+                "bytes_per_step": sum(log),
+                "us_per_step": round(statistics.median(times.tolist()) * 1e6, 1),
+                "us_quartiles": [round(q * 1e6, 1) for q in statistics.quantiles(times.tolist(), n=4)],
+                "steps": steps,
+            }
+        )
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(rows, f)
 
 
 def measure(worlds, channels, warmup: int, steps: int) -> list[dict]:
@@ -145,8 +140,7 @@ def measure(worlds, channels, warmup: int, steps: int) -> list[dict]:
         group_sizes = [g for g in (2, 4, 8) if g <= world and world % g == 0]
         with tempfile.TemporaryDirectory() as tmp:
             out_file = os.path.join(tmp, "rows.json")
-            args = (world, os.path.join(tmp, "init"), channels, group_sizes, warmup, steps, out_file)
-            mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method=START_METHOD)
+            spawn(world, _worker, channels, group_sizes, warmup, steps, out_file, start_method=START_METHOD)
             with open(out_file) as f:
                 rows += json.load(f)
         print(f"measured world {world}", file=sys.stderr)

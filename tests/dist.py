@@ -5,33 +5,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import tempfile
 
+import fast_interpreter
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tritonbn.cli import _spawn
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a hang fails the test instead of stalling CI
 
 
-def _entry(rank, world, init_file, fn, args, timeout):
-    from fast_interpreter import install
-
-    install()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()  # leave together: tearing gloo down while a peer still talks can abort the peer
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn(world: int, fn, *args, timeout: datetime.timedelta = TIMEOUT) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks (group ``timeout``); re-raises a rank's exception."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.spawn(_entry, args=(world, init_file, fn, args, timeout), nprocs=world, join=True)
+    _spawn.spawn(world, fn, *args, timeout=timeout, setup=fast_interpreter.install)
 
 
 def load_ranks(out_dir: str, world: int) -> list:

@@ -42,7 +42,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritonbn._numerics import compute_dtype
+from tritonbn.cli._spawn import process_group, spawn
 
+TIMEOUT = datetime.timedelta(seconds=300)  # the process group's: one case may take long on CPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_NOTE = (
     "CPU run: these times say nothing about a GPU. The Triton kernels are written for GPUs; on CPU they run "
@@ -445,25 +447,11 @@ def _device_for(rank: int, cpu: bool) -> torch.device:
     return torch.device("cuda", rank) if not cpu and torch.cuda.is_available() else torch.device("cpu")
 
 
-def _run_rank(rank: int, world: int, init_file: str, args) -> dict | None:
-    device = _device_for(rank, args.cpu)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    try:
-        result = measure(args, device, rank, world)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _run_rank(rank: int, world: int, args) -> dict | None:
+    result = measure(args, _device_for(rank, args.cpu), rank, world)
     if result is not None:
         report(result, args.out)
     return result
-
-
-def _spawned(rank: int, world: int, init_file: str, args) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    _run_rank(rank, world, init_file, args)
 
 
 def report(result: dict, out: str) -> None:
@@ -490,12 +478,17 @@ def main(args) -> int:
     build_model(args.model)  # fail early, in this process, on a bad --model
     if args.world > 1 and not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() < args.world:
         raise ValueError(f"--world {args.world} needs {args.world} GPUs, found {torch.cuda.device_count()} (or --cpu)")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        if args.world == 1:
-            result = _run_rank(0, 1, init_file, args)
-        else:
-            torch.multiprocessing.spawn(_spawned, args=(args.world, init_file, args), nprocs=args.world, join=True)
-            result = {"rows": []}
+    if args.world == 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            init = f"file://{os.path.join(tmp, 'init')}"
+            with process_group(_device_for(0, args.cpu), TIMEOUT, init_method=init, rank=0, world_size=1):
+                result = measure(args, _device_for(0, args.cpu), 0, 1)
+        if result is not None:
+            report(result, args.out)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // args.world)
+        spawn(args.world, _run_rank, args, cuda=_device_for(0, args.cpu).type == "cuda", timeout=TIMEOUT,
+              threads=threads)  # fmt: skip
+        result = {"rows": []}
     failed = [r for r in (result or {"rows": []})["rows"] if "error" in r and not r["error"].startswith("skipped")]
     return 1 if failed else 0

@@ -10,12 +10,10 @@ GPUs, and runs as it is under ``torchrun``.
 from __future__ import annotations
 
 import copy
-import datetime
 import gc
 import inspect
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -25,6 +23,7 @@ from torch import nn
 
 import tritonbn
 from tritonbn.backend import name_for
+from tritonbn.cli._spawn import process_group, spawn
 from tritonbn.diagnose import check_bn_sync
 
 PER_RANK = 8
@@ -234,25 +233,14 @@ def _worker(rank: int, world: int, device: torch.device, steps: int, plot: str |
         say(f"\nwrote {plot} (figures in {table}): the two spreads after every step, plain BatchNorm against tritonbn")
 
 
-def _run(device: torch.device, steps: int, plot: str | None = None, **init) -> None:
-    """Join the process group, run the demo, and leave together (a rank that tears gloo down while its
-    peer still talks can abort the peer)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120), **init)
-    try:
-        _worker(dist.get_rank(), dist.get_world_size(), device, steps, plot)
-        gc.collect()  # free the DDP wrappers (their reducers hold the group) before the group goes
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _run(device: torch.device, steps: int, plot: str | None = None) -> None:
+    """The demo on this rank; the DDP wrappers (their reducers hold the group) are freed before the group goes."""
+    _worker(dist.get_rank(), dist.get_world_size(), device, steps, plot)
+    gc.collect()
 
 
-def _spawned(rank: int, world: int, init_file: str, use_cuda: bool, steps: int, plot: str | None = None) -> None:
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    _run(device, steps, plot, init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _spawned(rank: int, world: int, use_cuda: bool, steps: int, plot: str | None = None) -> None:
+    _run(torch.device("cuda", rank) if use_cuda else torch.device("cpu"), steps, plot)
 
 
 def main(world: int = 2, steps: int = 10, cpu: bool = False, plot: str | None = None) -> int:
@@ -266,14 +254,13 @@ def main(world: int = 2, steps: int = 10, cpu: bool = False, plot: str | None = 
         plot = os.path.abspath(plot)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: it set up the rendezvous
         local = int(os.environ.get("LOCAL_RANK", 0))
-        _run(torch.device("cuda", local) if not cpu and torch.cuda.is_available() else torch.device("cpu"), steps, plot)
+        device = torch.device("cuda", local) if not cpu and torch.cuda.is_available() else torch.device("cpu")
+        with process_group(device):
+            _run(device, steps, plot)
         return 0
     use_cuda = not cpu and torch.cuda.device_count() >= world
     print(f"spawning {world} {'GPU' if use_cuda else 'CPU'} ranks ...", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(
-            _spawned, args=(world, os.path.join(tmp, "init"), use_cuda, steps, plot), nprocs=world, join=True
-        )
+    spawn(world, _spawned, use_cuda, steps, plot, cuda=use_cuda)
     return 0
 
 
