@@ -12,7 +12,7 @@ line on stderr naming the file and the problem, never a traceback.
 from __future__ import annotations
 
 import os
-import re
+import pickle
 import sys
 
 import torch
@@ -25,35 +25,35 @@ class DoctorError(Exception):
 
 
 _SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
-_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal colour and style codes
-# Lines of torch's weights-only message that advise rather than say what went wrong.
-_ADVICE = re.compile(r"Weights only load failed|Please file an issue|Check the documentation|\(\d\) ")
 
 
-def _one_line(error: BaseException) -> str:
-    """What went wrong, in one sentence: the unpickler's own reason, without torch's advice or escape codes."""
-    text = _ESCAPES.sub("", str(error)).split("WeightsUnpickler error:", 1)[-1]
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not _ADVICE.match(line):
-            return re.split(r"(?<=\.)\s+(?=[A-Z])", line)[0]
-    return type(error).__name__
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _load_failure(path: str, error: BaseException) -> str:
-    """Why ``torch.load(path, weights_only=True)`` failed, in one line without advice to load unsafely."""
+    """Why ``torch.load(path, weights_only=True)`` failed, in one line without advice to load unsafely.
+
+    The weights-only loader's refusal is explained by torch's own list of the globals it would need
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``), not by parsing its message.
+    """
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         return "empty file"
-    reason = _one_line(error)
     if isinstance(error, OSError):
-        return reason
+        return _first_line(error)
     with open(path, "rb") as f:
         magic = f.read(2)
     if magic not in (b"PK", b"\x80\x02"):  # torch.save writes a zip archive (or, before 1.6, a pickle)
-        return f"not a checkpoint written by torch.save ({reason})"
-    if str(error).lstrip().startswith("Weights only load failed"):
-        return f"refused by the weights-only loader, nothing was run ({reason})"
-    return reason
+        return "not a checkpoint written by torch.save"
+    if isinstance(error, pickle.UnpicklingError):
+        refused = "refused by the weights-only loader, nothing was run"
+        try:
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(path) if magic == b"PK" else []
+        except Exception:  # noqa: BLE001 - the list only adds detail to the refusal
+            needed = []
+        return f"{refused} (it needs globals that are not allowed: {', '.join(needed)})" if needed else refused
+    return _first_line(error)
 
 
 def _a(value) -> str:
@@ -105,7 +105,7 @@ def _layer_row(state: dict, prefix: str, path: str, shape: torch.Size, first: st
         return torch.cat([mean.double().flatten(), var.double().flatten(), nbt.double().reshape(1),
                           torch.zeros(4, dtype=torch.float64)])  # fmt: skip
     except (RuntimeError, TypeError, ValueError) as e:  # a tensor torch cannot convert, say
-        raise DoctorError(f"{path}: {prefix}running_mean/var cannot be read as numbers: {_one_line(e)}") from e
+        raise DoctorError(f"{path}: {prefix}running_mean/var cannot be read as numbers: {_first_line(e)}") from e
 
 
 def batchnorm_prefixes(state: dict) -> list[str]:
