@@ -63,6 +63,26 @@ def test_every_block_runs_or_says_why_not():
     assert len(skipped) <= seen // 2, "most blocks are marked notest:\n" + "\n".join(skipped)
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_resolve():
+    """The README is read on its own (not in the site, whose links mkdocs --strict checks): its relative
+    links and images point to files that exist, and to headings that exist in them."""
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert len(relative) >= 10, relative
+    for link in relative:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README.md links to {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", target.read_text(), flags=re.M)
+            assert anchor in {_slug(h) for h in headings}, f"README.md links to {link}: no such heading"
+
+
 def test_custom_layer_example_runs():
     """The custom layer of docs/guides/custom-layers.md: its gradients match F.batch_norm on the joint batch."""
     page = ROOT / "docs" / "guides" / "custom-layers.md"
