@@ -32,7 +32,7 @@ alone, on CPU tensors, without a GPU:
 
 ``--json FILE`` writes ``tritonbn_us``, ``reference_us``, ``ratio`` and
 ``launches_per_training_pass`` (plus the rest). ``--max-ratio R`` exits with status 1 when ``ratio``
-exceeds ``R``; ``.ci/run`` uses it (see the README, "Host overhead", for how the bound was chosen).
+exceeds ``R``; ``.ci/run`` uses it (see docs/performance.md, "Host overhead", for how the bound was chosen).
 
 Run it as ``python benchmarks/host_overhead.py`` (not under pytest, which sets TRITON_INTERPRET).
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv with tritonbn (editable) and its test, plot and lint tools. Safe to run again.
+# Set up .venv with tritonbn (editable) and its test, plot, lint and docs tools. Safe to run again.
 #
 # torch is installed first, on its own, so that pip never resolves a plain `torch` requirement to a
 # multi-GB CUDA build where the CPU build is wanted. TORCH_SPEC chooses it (default: torch==2.13.0,
@@ -13,4 +13,4 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 # The installed torch is pinned for the rest (lightning, in the test extras, depends on torch): pip keeps it.
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
-.venv/bin/python -m pip install --quiet -e ".[test,plot,dev]" "torch==$torch_version"
+.venv/bin/python -m pip install --quiet -e ".[test,plot,dev,docs]" "torch==$torch_version"
