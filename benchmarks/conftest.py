@@ -13,10 +13,10 @@ import sys
 DEVICE = os.environ.get("TRITONBN_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
     from fast_interpreter import install  # noqa: E402
 
-    install()  # the interpreter without the costs the smoke run does not need (see tests/fast_interpreter.py)
+    install()  # the interpreter without the costs the smoke run does not need (see tests/helpers/fast_interpreter.py)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

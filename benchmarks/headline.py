@@ -40,6 +40,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tritonbn  # noqa: E402
+from tritonbn.cli.bench import time_ms  # noqa: E402
 from tritonbn.cli.resnet50 import distinct_bn_shapes, resnet50  # noqa: E402
 from tritonbn.functional import batch_norm  # noqa: E402
 
@@ -88,15 +89,7 @@ class Timer:
         """Median of ``iters`` individually timed calls (CUDA events), after the caller's warm-up."""
         if self.device.type != "cuda":
             return self(fn)
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return statistics.median(time_ms(fn, self.device) for _ in range(iters))
 
 
 class Recorder:

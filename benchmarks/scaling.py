@@ -8,7 +8,7 @@ forward one feeds the normalization, the backward one feeds dx). Only the collec
 with the message sizes of the 53 layers (channels from ``tritonbn/cli/resnet50.py``):
 
 * ``tritonbn``: per layer, one all-reduce of 2C+1 fp64 forward (sums and the count) and one of 2C fp32
-  backward, whatever the world size (``tests/test_sync.py`` checks these messages on the real layer);
+  backward, whatever the world size (``tests/distributed/test_sync.py`` checks these messages on the real layer);
 * ``allgather``: ``torch.nn.SyncBatchNorm``'s algorithm, per layer an all-gather of 2C+1 fp32 per rank
   (mean, invstd, count: W x (2C+1) values gathered) forward and an all-reduce of 2C fp32 backward.
 

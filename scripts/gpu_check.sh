@@ -3,16 +3,16 @@
 # Triton 3.6 and no package registry). Stages run in order of value; each writes its results to
 # OUTDIR before the next starts, and a stage that fails is recorded in OUTDIR/stages.txt while the
 # next one still runs:
-#   1. correctness with the compiled kernels (<= 255 s): tests/gpu_checks.py (a training step
+#   1. correctness with the compiled kernels (<= 255 s): tests/helpers/gpu_checks.py (a training step
 #      captured in a CUDA graph and replayed against eager, an empty batch in a graph, forward and
 #      backward under torch.cuda.set_sync_debug_mode("error")), then the oracle tests of
-#      tests/test_batchnorm.py and tests/test_epilogue.py (shapes, both layouts, fp32/fp16/bf16,
+#      tests/autograd/test_batchnorm.py and tests/autograd/test_epilogue.py (shapes, both layouts, fp32/fp16/bf16,
 #      determinism, |mean|/std = 1e3) on the Triton backend, CUDA as the default device, then
-#      tests/test_grouped.py (the grouped plans of odd NCHW planes: tl.gather and a segmented scan),
-#      and tests/test_dtypes.py's fp16/bf16 module (<= 45 s).
+#      tests/kernels/test_packed.py (the grouped plans of odd NCHW planes: tl.gather and a segmented scan),
+#      and tests/kernels/test_dtypes.py's fp16/bf16 module (<= 45 s).
 #      Every eager launch there after a plan's first goes through tritonbn's direct launch
 #      (tritonbn/kernels/_launch.py: the cached CompiledKernel's C launcher), so this stage is also
-#      the direct launch's first run on a real driver (tests/test_launch.py checks it over a fake one);
+#      the direct launch's first run on a real driver (tests/kernels/test_launch.py checks it over a fake one);
 #   2. the headline (<= 240 s): benchmarks/headline.py, ResNet-50 channels_last bf16 forward+backward
 #      per BatchNorm shape and summed over the model, tritonbn against torch.nn.SyncBatchNorm's sync
 #      path and cuDNN, then a whole ResNet-50 training step, eager and torch.compile; then the kernel
@@ -60,15 +60,15 @@ print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton
 PY
 
 # 1. Correctness with the compiled kernels.
-stage gpu_checks 60 "$python" tests/gpu_checks.py 2>&1 | tee "$out/gpu_checks.txt"
+stage gpu_checks 60 "$python" tests/helpers/gpu_checks.py 2>&1 | tee "$out/gpu_checks.txt"
 stage oracle_tests 90 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -k "triton" \
-    tests/test_batchnorm.py tests/test_epilogue.py 2>&1 | tee "$out/oracle_tests.txt"
-stage grouped_tests 60 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" tests/test_grouped.py 2>&1 |
+    tests/autograd/test_batchnorm.py tests/autograd/test_epilogue.py 2>&1 | tee "$out/oracle_tests.txt"
+stage grouped_tests 60 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" tests/kernels/test_packed.py 2>&1 |
     tee "$out/grouped_tests.txt"
 # A module in fp16/bf16 (parameters and buffers too): the compiled fp64 -> bf16 stores of the running
 # statistics and the weight and bias gradients (tritonbn.kernels._common.rounded_for).
 stage half_module_tests 45 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -k "triton" \
-    tests/test_dtypes.py::test_half_precision_module 2>&1 | tee "$out/half_module_tests.txt"
+    tests/kernels/test_dtypes.py::test_half_precision_module 2>&1 | tee "$out/half_module_tests.txt"
 
 # 2. The headline table and the training step.
 stage headline 240 "$python" benchmarks/headline.py --out "$out" --budget-s 200 2>&1 | tee "$out/headline.txt"

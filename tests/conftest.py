@@ -1,9 +1,12 @@
-"""Test set-up.
+"""Test set-up, for the test folders by area (kernels, autograd, distributed, integrations, cli, docs).
+
+The helpers they share (gloo ranks, the float64 oracle, the interpreter speed-up, stand-ins and the
+scripts some tests run in a subprocess) live in ``tests/helpers/``, which this file puts on ``sys.path``.
 
 By default the Triton kernels run on CPU under the Triton interpreter: TRITON_INTERPRET must be set
 before triton is imported, conftest is imported first, and spawned ranks inherit the environment.
 
-Under the interpreter, tests/fast_interpreter.py removes two of its redundant costs, in this process
+Under the interpreter, tests/helpers/fast_interpreter.py removes two of its redundant costs, in this process
 and in the spawned ranks.
 
 ``TRITONBN_TEST_DEVICE=cuda`` (the GPU check script) instead makes CUDA the default device, runs the
@@ -11,7 +14,9 @@ compiled kernels, and skips the multi-rank gloo tests, which are CPU-only.
 """
 
 import os
+import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))  # the helpers, one place
 DEVICE = os.environ.get("TRITONBN_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -22,7 +27,7 @@ from fast_interpreter import install as faster_interpreter  # noqa: E402
 
 from tritonbn import backend  # noqa: E402
 
-faster_interpreter()  # see tests/fast_interpreter.py: the same results, about 3x sooner
+faster_interpreter()  # see tests/helpers/fast_interpreter.py: the same results, about 3x sooner
 
 
 def pytest_configure(config):

@@ -98,6 +98,13 @@ def triton_runtime_knobs():
     return knobs.runtime
 
 
+def launch_hook_chains() -> tuple:
+    """Triton's launch-hook chains ``(enter, exit)``: a hook is set on a chain when its ``calls`` list is not
+    empty (Triton 3.6 to 3.9); the direct launch then steps aside, so that the hook sees every launch."""
+    runtime = triton_runtime_knobs()
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
+
+
 def triton_driver():
     """``triton.runtime.driver.driver``: its ``active`` driver gives the current device and stream."""
     from triton.runtime.driver import driver

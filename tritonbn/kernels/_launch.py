@@ -16,7 +16,7 @@ launcher directly, with the same positional layout ``JITFunction.run`` ends in (
 
 where the metadata and both hooks are ``None`` (Triton passes empty hook chains, and metadata that
 only hooks read; the C launcher accepts ``None`` for all three). Every parameter is passed, the
-constexprs included, which the C launcher skips. ``tests/test_launch.py`` checks, over a fake
+constexprs included, which the C launcher skips. ``tests/kernels/test_launch.py`` checks, over a fake
 driver, that every launch of the module path calls the same ``CompiledKernel`` with the same grid,
 stream and arguments as ``JITFunction.run`` would.
 
@@ -49,10 +49,18 @@ from functools import reduce
 import torch
 import triton
 
-from tritonbn._compat import DIRECT_LAUNCH_VERIFIED, direct_entry, load_binary, triton_driver, triton_runtime_knobs
+from tritonbn._compat import (
+    DIRECT_LAUNCH_VERIFIED,
+    direct_entry,
+    launch_hook_chains,
+    load_binary,
+    triton_driver,
+    triton_runtime_knobs,
+)
 from tritonbn.kernels._plan import fits_occupancy
 
-_knobs = triton_runtime_knobs()  # ``interpret``, and the launch hook chains: a hook set there must see every launch
+_knobs = triton_runtime_knobs()  # ``interpret``
+_enter_hooks, _exit_hooks = launch_hook_chains()  # a hook set there must see every launch
 driver = triton_driver()
 
 
@@ -203,9 +211,7 @@ class Launch:
             else:
                 key = device
             found = self.compiled.get(key)
-            if found is not None and not (
-                _knobs.launch_enter_hook.calls or _knobs.launch_exit_hook.calls or fn.pre_run_hooks
-            ):
+            if found is not None and not (_enter_hooks.calls or _exit_hooks.calls or fn.pre_run_hooks):
                 run, function, metadata, _ = found
                 run(*self.grid, 1, active.get_current_stream(device), function, metadata, None, None, None,
                     *pointers, *self.args_after)  # fmt: skip

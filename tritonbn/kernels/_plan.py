@@ -55,7 +55,7 @@ _PROGRAMS_PER_SM = 8
 # program) are at most _FLAT_MERGE_BYTES, the last one merges them all (one level); past both, the merge
 # is two-level, in groups of about sqrt(programs) (see _common.merge_tree). Each level puts a barrier,
 # an atomic and a dependent load after the last main loop. 64 KB is the tail the kernel audit's test
-# holds a one-level merge to (tests/test_kernel_audit.py); at the ~150 GB/s one SM reads from L2 (the
+# holds a one-level merge to (tests/kernels/test_kernel_audit.py); at the ~150 GB/s one SM reads from L2 (the
 # audit's time model assumes it) that is about what a level costs (0.44 us against ~0.5 us).
 _FLAT_MERGE = 16
 _FLAT_MERGE_BYTES = 64 * 1024

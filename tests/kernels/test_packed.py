@@ -133,7 +133,7 @@ def _segment_sums_kernel(v_ptr, s_ptr, o_ptr, N: tl.constexpr):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_segmented_scan_adds_left_to_right(dtype):
-    """The packed plans' segmented sum (in NumPy under tests/fast_interpreter.py) restarts at each
+    """The packed plans' segmented sum (in NumPy under tests/helpers/fast_interpreter.py) restarts at each
     flagged lane and otherwise adds in lane order: the same bits as a plain left-to-right loop."""
     g = torch.Generator().manual_seed(3)
     values = (torch.randn(256, generator=g, dtype=torch.float64) * 1e3).to(dtype)

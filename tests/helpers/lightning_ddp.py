@@ -1,7 +1,7 @@
 """A 2-process CPU DDP Lightning run with tritonbn's plugin; each rank saves its BatchNorm state.
 
 Run as a script (Lightning's "ddp" strategy starts the other rank by running it again):
-``python tests/lightning_ddp.py OUT_DIR [lightning.pytorch|pytorch_lightning]``.
+``python tests/helpers/lightning_ddp.py OUT_DIR [lightning.pytorch|pytorch_lightning]``.
 """
 
 from __future__ import annotations

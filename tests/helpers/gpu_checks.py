@@ -13,7 +13,7 @@
 6. Every launch made so far fitted its grid to its compiled kernel's occupancy: at most one wave of
    programs on this GPU (unless the channel blocks alone are more), and no fit left pending.
 
-Run directly (``python tests/gpu_checks.py``); tests/test_gpu.py runs it when a GPU is present.
+Run directly (``python tests/helpers/gpu_checks.py``); tests/kernels/test_gpu.py runs it when a GPU is present.
 """
 
 from __future__ import annotations

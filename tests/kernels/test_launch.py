@@ -1,6 +1,6 @@
 """The direct launch (tritonbn/kernels/_launch.py) calls what Triton's own ``JITFunction.run`` would.
 
-``tests/launch_check.py`` runs the module path over a fake driver in a subprocess (this process runs
+``tests/helpers/launch_check.py`` runs the module path over a fake driver in a subprocess (this process runs
 the kernels under the interpreter, which has no compiled kernels) and, for every launch of a training
 forward, backward and eval, compares the direct call with Triton's: the same ``CompiledKernel`` (the
 one Triton's cache key selects), grid, stream and argument tuple. The cases cover fp32, fp16, bf16
@@ -22,7 +22,7 @@ import torch
 
 from tritonbn.kernels._launch import SM90, Launch, programs_per_sm
 
-SCRIPT = pathlib.Path(__file__).parent / "launch_check.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "helpers" / "launch_check.py"
 
 
 @pytest.fixture(scope="module")

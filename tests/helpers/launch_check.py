@@ -1,6 +1,6 @@
 """Every launch of the module path, direct and through Triton's ``JITFunction.run``, side by side.
 
-Run as a script (``python tests/launch_check.py``; ``tests/test_launch.py`` does), never under the
+Run as a script (``python tests/helpers/launch_check.py``; ``tests/kernels/test_launch.py`` does), never under the
 Triton interpreter: it needs Triton's JIT path, over a fake driver, with CPU tensors that no kernel
 ever reads. Compilation is replaced by a fake ``CompiledKernel`` per Triton cache key; its "C
 launcher" records what it is called with. For every launch, the real :class:`tritonbn.kernels._launch.Launch`
@@ -34,7 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import tritonbn  # noqa: E402
 from tritonbn import backend  # noqa: E402

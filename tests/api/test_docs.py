@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 _FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)

@@ -1,9 +1,9 @@
 """Compile tritonbn's kernels for a GPU target without a GPU: no launch, just Triton's full pipeline to cubin.
 
 This catches what the interpreter cannot: type and constexpr errors of compiled Triton, for every
-specialization the launchers use. ``python tests/aot_compile.py`` compiles the whole matrix (dtypes,
+specialization the launchers use. ``python tests/helpers/aot_compile.py`` compiles the whole matrix (dtypes,
 int32/int64 offsets, training/eval, every activation and residual variant; a few minutes);
-``--quick`` a representative subset (tests/test_aot_compile.py runs that). Run it with
+``--quick`` a representative subset (tests/kernels/test_aot_compile.py runs that). Run it with
 TRITON_INTERPRET unset: under the interpreter the kernels are not compilable objects.
 """
 

@@ -68,7 +68,7 @@ def _compare(compiled_model, eager_model, x, backend):
     # Inductor's convolutions and linear layer round differently from eager's on some CPUs (it fuses
     # their bias and pointwise neighbours), so the BatchNorms' inputs, and what follows, may differ in
     # the last bits; the conv biases before a BatchNorm have a gradient of exactly 0 up to that
-    # rounding. tests/test_eager_path.py shows the tritonbn layers themselves bitwise equal under both.
+    # rounding. tests/autograd/test_eager_path.py shows the tritonbn layers themselves bitwise equal under both.
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for (k, a), b in zip(compiled_model.state_dict().items(), eager_model.state_dict().values(), strict=True):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "kernel_audit.py"
+SCRIPT = pathlib.Path(__file__).parents[2] / "benchmarks" / "kernel_audit.py"
 MAX_REGISTERS = 128
 # The merge tail (see tritonbn.kernels._common.merge_tree). A flat merge reads R rows after the last main
 # loop; the two-level one at most 2 * ceil(sqrt(R)). By design all of them are merged in one level up to

@@ -177,3 +177,31 @@ def test_functional_matches_module(backend_name):
     y_eval = tritonbn.sync_batch_norm(x, rm, rv, w, b)
     y_ref, *_ = oracle.step(x, None, training=False)
     _assert_close(y_eval, y_ref, (1e-5, 1e-5), "eval y")
+
+
+def test_cached_layer_follows_every_setting():
+    """The module keeps its call record (``_passes.Layer``) until a setting changes. Every attribute the record
+    is built from, found by recording what ``_layer`` reads, must be one whose change drops the record, and
+    changing each one does; so a new setting cannot leave a stale record behind."""
+    from tritonbn import modules
+
+    read = set()
+
+    class Recording(tritonbn.SyncBatchNorm):
+        def __getattribute__(self, name):
+            read.add(name)
+            return super().__getattribute__(name)
+
+    m = Recording(3)
+    read.clear()
+    m._layer()
+    settings = {name for name in read if not name.startswith("__") and not callable(getattr(Recording, name, None))}
+    assert {"training", "momentum", "eps", "activation", "process_group"} <= settings, settings
+    assert settings <= modules._SETTINGS, f"read by _layer but not in _SETTINGS: {settings - modules._SETTINGS}"
+    changes = {"training": False, "momentum": 0.5, "eps": 1e-3, "activation": "relu", "negative_slope": 0.2,
+               "process_group": None, "track_running_stats": False, modules._LAYER: "renamed"}  # fmt: skip
+    assert set(changes) == modules._SETTINGS
+    for name, value in changes.items():
+        m._layer()
+        setattr(m, name, value)
+        assert modules._CALL not in m.__dict__, f"setting {name} kept the old record"

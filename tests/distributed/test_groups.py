@@ -232,7 +232,7 @@ def test_check_bn_sync_compares_within_groups(ranks, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_collective_per_pass_within_the_group(ranks, backend):
     """The same single all-reduce per pass, of the same size, as over the world at world 2 and 3
-    (tests/test_sync.py): independent of the world and of the group size; sent over the group."""
+    (tests/distributed/test_sync.py): independent of the world and of the group size; sent over the group."""
     for r in ranks:
         for step in r[backend]["steps"]:
             assert step["forward"] == [("all_reduce", 2 * C + 1, torch.float64, GROUP)], step["forward"]

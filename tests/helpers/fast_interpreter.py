@@ -5,7 +5,7 @@ Three costs of the interpreter that the tests do not need, found with cProfile:
 * Its integer-overflow sanitizer: every int32 add, subtract and multiply of a kernel is redone in
   int64 and checked, about half the interpreter's time. It guards index arithmetic against passing
   2^31; the tests' tensors have a few thousand elements, and the plans switch to int64 offsets
-  themselves past 2^31 (tests/test_hardening.py forces that path with fake limits).
+  themselves past 2^31 (tests/autograd/test_hardening.py forces that path with fake limits).
 * Every call of a ``@triton.jit`` helper from a kernel patches ``triton.language`` again (looking
   every member up with ``inspect``), a millisecond per call. Within one launch those patches stay in
   place (only the launch's own patch is undone when it ends), so patching once per helper and

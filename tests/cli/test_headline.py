@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from tritonbn.cli.resnet50 import bn_input_shapes, distinct_bn_shapes, resnet50  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = pathlib.Path(__file__).with_name("aot_compile.py")
+    script = pathlib.Path(__file__).parents[1] / "helpers" / "aot_compile.py"
     cmd = [sys.executable, str(script), "--quick"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]

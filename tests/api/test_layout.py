@@ -1,0 +1,142 @@
+"""The public surface and the package's layering: what users import keeps working, and data flows one way.
+
+The layout (docs/design.md): ``kernels/`` knows nothing of autograd or collectives; the data path
+imports nothing from ``cli/`` or ``integrations/``; every private torch or Triton API is read in
+``tritonbn/_compat.py`` alone.
+"""
+
+import ast
+import importlib
+import importlib.metadata
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import tritonbn
+
+PACKAGE = pathlib.Path(tritonbn.__file__).parent
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+PUBLIC = [
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
+    "syncbn_group",
+    "sync_batch_norm",
+    "fuse_batchnorm_activations",
+    "sync_running_stats",
+    "recalibrate_batchnorm",
+    "accumulate_stats",
+    "diagnose",
+    "__version__",
+]
+KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
+           "batch_norm_backward_elemt"]  # fmt: skip
+IMPORT_PATHS = [
+    ("tritonbn.lightning", "TritonSyncBatchNorm"),
+    ("tritonbn.mmengine", "NAME"),
+    ("tritonbn.kernels.stats", "batch_norm_stats"),
+    ("tritonbn.kernels.elemt", "batch_norm_elemt"),
+    ("tritonbn.kernels.backward_reduce", "batch_norm_backward_reduce"),
+    ("tritonbn.kernels.backward_elemt", "batch_norm_backward_elemt"),
+    ("tritonbn.diagnose", "check_bn_sync"),
+    ("tritonbn.diagnose", "find_unsynced_batchnorm"),
+    ("tritonbn.functional", "sync_batch_norm"),
+    ("tritonbn.modules", "SyncBatchNorm"),
+    ("tritonbn.convert", "convert_sync_batchnorm"),
+    ("tritonbn.running_stats", "accumulate_stats"),
+    ("tritonbn.backend", "ops_for"),
+]
+
+
+def test_public_names():
+    assert tritonbn.__all__ == PUBLIC
+    assert all(getattr(tritonbn, name) is not None for name in PUBLIC)
+    assert tritonbn.SyncBatchNorm.convert_sync_batchnorm.__func__ is not None
+    assert importlib.import_module("tritonbn.kernels").__all__ == KERNELS
+    assert tritonbn.__version__ == importlib.metadata.version("tritonbn")
+
+
+@pytest.mark.parametrize(("module", "name"), IMPORT_PATHS)
+def test_import_paths(module, name):
+    assert hasattr(importlib.import_module(module), name)
+
+
+def test_kept_paths_are_the_integrations():
+    import tritonbn.integrations.lightning
+    import tritonbn.integrations.mmengine
+    import tritonbn.lightning
+    import tritonbn.mmengine
+
+    assert tritonbn.lightning.TritonSyncBatchNorm is tritonbn.integrations.lightning.TritonSyncBatchNorm
+    assert tritonbn.mmengine.NAME == tritonbn.integrations.mmengine.NAME == "TritonSyncBN"
+
+
+def test_command_line_entry_points():
+    (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "tritonbn"]
+    assert script.value == "tritonbn.cli:main"
+    out = subprocess.run([sys.executable, "-m", "tritonbn", "--help"], capture_output=True, text=True, check=True)
+    assert all(command in out.stdout for command in ("demo", "bench", "doctor")), out.stdout
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("tritonbn." + (node.module or ""))  # relative imports stay inside the package
+    return names
+
+
+def _name(path: pathlib.Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+
+def test_kernels_know_nothing_of_autograd_or_collectives():
+    allowed = ("tritonbn.kernels", "tritonbn._compat", "tritonbn._numerics", "tritonbn.activations")
+    for path in (PACKAGE / "kernels").glob("*.py"):
+        for name in _imports(path):
+            assert not name.startswith(("torch.distributed", "torch.autograd")), (path.name, name)
+            if name.startswith("tritonbn"):
+                assert name.startswith(allowed), (path.name, name)
+
+
+def test_data_path_imports_nothing_from_cli_or_integrations():
+    kept = {"tritonbn.lightning", "tritonbn.mmengine", "tritonbn.__main__"}  # entry points at kept paths
+    for path in MODULES:
+        module = _name(path)
+        if module.startswith(("tritonbn.cli", "tritonbn.integrations")) or module in kept:
+            continue
+        for name in _imports(path):
+            assert not name.startswith(("tritonbn.cli", "tritonbn.integrations")), (module, name)
+
+
+# Private torch and Triton attributes and modules, read in _compat.py alone.
+_PRIVATE_ATTRS = {"_C", "_current_level", "_resolve_process_group", "_init_handles", "packed_metadata",
+                  "_cuda_getCurrentRawStream", "launch_enter_hook", "launch_exit_hook"}  # fmt: skip
+_PRIVATE_IMPORTS = ("triton.knobs", "triton.runtime.driver", "torch.distributed.distributed_c10d",
+                    "torch.autograd.forward_ad")  # fmt: skip
+
+
+def _private_uses(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in _PRIVATE_ATTRS]
+    return found + [name for name in _imports(path) if name.startswith(_PRIVATE_IMPORTS)]
+
+
+def test_private_apis_only_in_compat():
+    assert _private_uses(PACKAGE / "_compat.py"), "the check finds nothing even where the private APIs are"
+    for path in MODULES:
+        if path.name != "_compat.py":
+            assert not _private_uses(path), (_name(path), _private_uses(path))
+
+
+def test_modules_stay_small():
+    sizes = {_name(p): len(p.read_text().splitlines()) for p in MODULES}
+    assert max(sizes.values()) <= 450, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
