@@ -8,7 +8,7 @@
 #      backward under torch.cuda.set_sync_debug_mode("error")), then the oracle tests of
 #      tests/autograd/test_batchnorm.py and tests/autograd/test_epilogue.py (shapes, both layouts, fp32/fp16/bf16,
 #      determinism, |mean|/std = 1e3) on the Triton backend, CUDA as the default device, then
-#      tests/kernels/test_packed.py (the grouped plans of odd NCHW planes: tl.gather and a segmented scan),
+#      tests/kernels/test_packed.py (the packed plans of odd NCHW planes: tl.gather and a segmented scan),
 #      and tests/kernels/test_dtypes.py's fp16/bf16 module (<= 45 s).
 #      Every eager launch there after a plan's first goes through tritonbn's direct launch
 #      (tritonbn/kernels/_launch.py: the cached CompiledKernel's C launcher), so this stage is also
@@ -63,8 +63,8 @@ PY
 stage gpu_checks 60 "$python" tests/helpers/gpu_checks.py 2>&1 | tee "$out/gpu_checks.txt"
 stage oracle_tests 90 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -k "triton" \
     tests/autograd/test_batchnorm.py tests/autograd/test_epilogue.py 2>&1 | tee "$out/oracle_tests.txt"
-stage grouped_tests 60 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" tests/kernels/test_packed.py 2>&1 |
-    tee "$out/grouped_tests.txt"
+stage packed_tests 60 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" tests/kernels/test_packed.py 2>&1 |
+    tee "$out/packed_tests.txt"
 # A module in fp16/bf16 (parameters and buffers too): the compiled fp64 -> bf16 stores of the running
 # statistics and the weight and bias gradients (tritonbn.kernels._common.rounded_for).
 stage half_module_tests 45 "$python" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -k "triton" \
