@@ -19,19 +19,11 @@ import tritonbn
 PACKAGE = pathlib.Path(tritonbn.__file__).parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
-PUBLIC = [
-    "SyncBatchNorm",
-    "convert_sync_batchnorm",
-    "revert_sync_batchnorm",
-    "syncbn_group",
-    "sync_batch_norm",
-    "fuse_batchnorm_activations",
-    "sync_running_stats",
-    "recalibrate_batchnorm",
-    "accumulate_stats",
-    "diagnose",
-    "__version__",
-]
+# The public names, pinned: a name dropped or renamed breaks users.
+PUBLIC = (
+    "SyncBatchNorm convert_sync_batchnorm revert_sync_batchnorm syncbn_group sync_batch_norm "
+    "fuse_batchnorm_activations sync_running_stats recalibrate_batchnorm accumulate_stats diagnose __version__"
+).split()
 KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
            "batch_norm_backward_elemt"]  # fmt: skip
 IMPORT_PATHS = [
