@@ -82,10 +82,10 @@ def run(
     except (ValueError, TypeError) as error:
         if checking:  # every rank stops here, instead of the others waiting in the next collective
             check_signature(debug_group, "forward", signature(input, training, input_grad), local_error=error,
-                            layer=layer.name)  # fmt: skip
+                            name=layer.name)  # fmt: skip
         raise
     if checking:
-        check_signature(debug_group, "forward", signature(input, training, input_grad), layer=layer.name)
+        check_signature(debug_group, "forward", signature(input, training, input_grad), name=layer.name)
     if compiling or not is_eager(input):
         if stats_sink is not None:
             raise RuntimeError(ACCUMULATE_EAGER_ONLY)
