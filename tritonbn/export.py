@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.fusion import fuse_conv_bn_eval  # public; transpose= since 1.x (torch 2.8, 2.13)
 
 from tritonbn.activations import activation_module
-from tritonbn.fusion import _BatchNormLeafTracer, _replace_module
+from tritonbn.fusion import _replace_module, trace_batchnorm_leaves
 from tritonbn.modules import SyncBatchNorm, SyncBatchNormAct
 
 # --- Folding: conv -> BatchNorm (-> add -> activation) for inference. -------------------------------
@@ -82,15 +82,7 @@ def fold_batchnorm(model: nn.Module) -> fx.GraphModule:
     ``torch.fx`` cannot trace raises a ``ValueError``: fold its traceable submodules instead.
     """
     model = copy.deepcopy(model)
-    tracer = _BatchNormLeafTracer()
-    try:
-        graph = tracer.trace(model)
-    except Exception as e:  # noqa: BLE001 - fx raises many kinds of errors on untraceable code
-        raise ValueError(
-            f"fold_batchnorm: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {e}); "
-            "fold its traceable submodules instead"
-        ) from e
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = trace_batchnorm_leaves(model, "fold_batchnorm", "fold its traceable submodules instead")
     modules = dict(gm.named_modules())
     calls: dict[str, int] = {}
     for node in gm.graph.nodes:
