@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": 1,
         "load_average": os.getloadavg(), "small": args.small, "batch": args.batch, "reps": args.reps,
-        "warmup": args.warmup, "seconds": time.perf_counter() - t0,
+        "warmup": args.warmup, "seconds": time.perf_counter() - t0, "tritonbn": os.path.dirname(tritonbn.__file__),
     }  # fmt: skip
     print(f"\nworst ratio {worst:.3f}; load average {meta['load_average'][0]:.2f}; {meta['seconds']:.0f} s")
     if args.json:

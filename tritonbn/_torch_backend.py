@@ -4,27 +4,29 @@ It runs wherever PyTorch runs (CPU without the Triton interpreter, or a device T
 keeps every result on the device (no host synchronization), and uses the same shifted statistics,
 fp64 sums and split fp64 mean as the kernels, so both backends agree to rounding.
 
-Speed. Each full-size pass is one of torch's fused native operations, never a chain of small ones,
-and makes as few activation-sized allocations as it can (on CPU a fresh large buffer costs as much
-as a pass over it):
+Speed. Each full-size pass is one of torch's fused native CPU operations (the ones
+``nn.BatchNorm2d`` runs, with their contiguous and channels_last specializations), never a chain of
+small ones, and the per-channel work is a few small ops on ``(C,)`` tensors:
 
-* per-channel sums: ``aten.native_batch_norm_backward`` with only the weight and bias gradients
-  asked for. It returns ``sum(dy)`` and ``sum(dy * (x - mean)) * invstd`` in one read of ``dy`` and
-  ``x``, in the kernels torch's own ``nn.BatchNorm2d`` backward runs (contiguous and channels_last
-  specializations). Given ``mean = hi`` and ``invstd = 1`` it is exactly the kernels' reduction of
-  ``dz`` and ``dz * (x - hi)``; given ``dy = x = x - p`` it is ``S1`` and ``S2`` of the forward stats.
-* the normalization: ``torch.native_batch_norm`` in eval mode with given statistics (one pass,
-  ``y = x * alpha + beta``), or a subtraction then in-place multiply-adds where the affine form
-  would lose precision (below);
-* elementwise updates in place (``mul_``, ``add_``, ``addcmul`` into an existing buffer).
+* every per-channel sum: ``aten.native_batch_norm_backward`` with only the weight and bias
+  gradients asked for (:func:`_channel_sums`). With ``mean = m`` and ``invstd = 1`` it returns
+  ``sum(dy)`` and ``sum(dy * (x - m))`` in one read of ``dy`` and ``x``, and writes nothing
+  activation-sized. With ``dy = x = x - p`` these are the forward statistics ``S1`` and ``S2``; with
+  ``dy = dz`` and ``m = hi`` they are the kernels' backward sums.
+* every per-channel scale and shift: ``torch.native_batch_norm`` in eval mode with given statistics,
+  one pass (:func:`_scale_shift_`, in place);
+* ``x - hi``: one ``torch.sub``, and ``dz - k * (x - hi)``: one ``torch.addcmul`` into that buffer.
 
 Precision, the rule behind each choice: where ``|mean| / std`` may be large (float32 and float64
-inputs; the tests go to 1e3), ``x - mean_hi`` is formed first, exactly as the kernels do, and only
-that small difference is scaled: the affine form ``x * alpha + beta`` would round ``x * alpha`` at
-``|mean| / std`` times the precision of the result. For float16 / bfloat16 inputs the affine form in
-float32 is exact enough: its error, ``2^-24 * |mean| / std``, is far below the output's own rounding
-(``2^-9``) at every ``|mean| / std`` the input's 8 or 11 bits can resolve, so results agree with the
-kernels' to the output's rounding.
+inputs; the tests go to 1e3), ``x - hi`` is formed first, exactly as the kernels do (exact by
+Sterbenz wherever ``x`` is within a factor 2 of ``hi``), and only that small difference is scaled:
+the affine form ``x * alpha + beta`` would round ``x * alpha`` and ``beta`` at ``|mean| / std``
+times the precision of the result. For float16 / bfloat16 inputs the forward takes the affine form
+in float32 (one native pass): its error, ``2^-24 |mean| / std``, stays far below the output's own
+rounding (``2^-8`` for bfloat16, ``2^-11`` for float16) at every ``|mean| / std`` that 8 or 11 bits
+of input can resolve, so results agree with the kernels' to the output's rounding. The sums are
+float32 (float64 for float64 inputs) as in the kernels, removed from their shift and summed across
+ranks in float64.
 
 The fused epilogue (residual and activation) takes the same fast steps where it can, and computes
 ``dz = dy * act'(z)`` with plain elementwise ops.
@@ -38,10 +40,6 @@ from tritonbn.activations import check_output_gives_grad
 
 _aten = torch.ops.aten
 _constants: dict = {}
-
-
-def _dims(x: torch.Tensor) -> list[int]:
-    return [0, *range(2, x.dim())]
 
 
 _ONES = {d: (1,) * (d - 2) for d in range(2, 6)}
@@ -76,10 +74,23 @@ def _channel_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> tupl
     if x.numel() == 0:  # the native kernels divide by the batch size: an empty rank's sums are zeros
         zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
         return zeros, zeros.clone()
+    if x.dtype != mean.dtype and not (_native_layout(x) and dy.stride() == x.stride()):
+        # torch's generic (strided) path sums 16-bit tensors in their own type: give it float32 copies
+        x32 = x.to(mean.dtype)
+        dy, x = (x32 if dy is x else dy.to(mean.dtype)), x32
     ones = _constants_for(x.shape[1], mean.dtype, x.device)[1]
     _, dotp, total = _aten.native_batch_norm_backward(dy, x, None, None, None, mean, ones, True, 0.0,
                                                       [False, True, True])  # fmt: skip
     return total, dotp
+
+
+def _native_layout(t: torch.Tensor) -> bool:
+    """Whether the native batch-norm kernels take their fast path on ``t``: contiguous or channels_last."""
+    return (
+        t.is_contiguous()
+        or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+        or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    )
 
 
 def _scale_shift_(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -146,7 +157,7 @@ def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     ``x - hi`` is exact wherever ``x`` lies within a factor 2 of ``hi`` (Sterbenz): what keeps fp32
     precision when ``|mean| >> std``, as in the kernels.
     """
-    return torch.sub(x, _per_channel(hi, x))  # laid out like x: TensorIterator follows its dense operand
+    return torch.sub(x, _per_channel(hi, x), out=torch.empty_like(x, dtype=hi.dtype))
 
 
 def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +166,8 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     As the kernel: ``d = x - p`` with ``p`` each channel's first element, ``S1 = sum(d)`` and
     ``S2 = sum(d^2)`` from one native reduction (:func:`_channel_sums` with ``dy = x = d``), then
     the packed fp64 ``[S1 + n p | S2 + p (S1 + sum x) | n]``. The shift keeps ``S2 / n - (S1 / n)^2``
-    free of cancellation when ``|mean| >> std``; removing it in fp64 is exact to ~1e-16.
+    free of cancellation when ``|mean| >> std``; removing it in fp64 is exact to ~1e-16. 16-bit
+    inputs skip the shifted copy (see below): one native pass over ``x`` itself.
     """
     C = x.shape[1]
     n = x.numel() // C if C else 0
@@ -163,11 +175,22 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(2 * C + 1, dtype=torch.float64, device=x.device)  # count 0
     acc = _acc(x)
     p = _to(x.as_strided((C,), (x.stride(1),)), acc)  # each channel's first element (x[0, :, 0, ...])
-    d = _subtract(x, p)
-    s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
-    s1, s2, p = torch.stack((s1, s2, p)).double().unbind()
-    sum_x = torch.add(s1, p, alpha=n)
-    return torch.cat((sum_x, torch.addcmul(s2, p, s1 + sum_x), sum_x.new_full((1,), n)))
+    if x.dtype == acc:
+        d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
+        # native_batch_norm_backward(dy=d, x=d, mean=0, invstd=1): S1 = sum(d), S2 = sum(d * d), one read of d
+        s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
+        s1, s2, p = torch.stack((s1, s2, p)).double().unbind()  # the shift comes off in fp64, as in the kernel
+        sum_x = torch.add(s1, p, alpha=n)
+        sum_x2 = torch.addcmul(s2, p, s1 + sum_x)
+    else:
+        # 16-bit: native_batch_norm_backward(dy=x, x=x, mean=p, invstd=1), torch's mixed-type path, no
+        # copy of x: sum(x) and sum(x * (x - p)) in float32, then sum(x^2) = sum(x * (x - p)) + p sum(x) in
+        # fp64. Unshifted, sum(x) loses about 2^-24 sqrt(n) |mean| / std of a std: far below 16-bit
+        # rounding at every |mean| / std that 8 or 11 bits resolve.
+        sum_x, s2 = _channel_sums(x, x, p)
+        sum_x, s2, p = torch.stack((sum_x, s2, p)).double().unbind()
+        sum_x2 = torch.addcmul(s2, p, sum_x)
+    return torch.cat((sum_x, sum_x2, sum_x.new_full((1,), n)))
 
 
 def _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum) -> None:
@@ -235,10 +258,11 @@ def batch_norm_elemt(
     if lo is not None:
         shift = torch.addcmul(shift, lo, scale, value=-1.0)
     if x.dtype != acc and residual is None and activation is None and x.numel():
+        # 16-bit: native_batch_norm in eval mode, y = x * scale + (shift - hi * scale) in fp32, rounded once
         y = torch.native_batch_norm(x, scale, shift, hi, _constants_for(C, acc, x.device)[1], False, 0.0, 0.0)[0]
         if y.stride() != x.stride():  # a layout the native kernel does not keep (neither contiguous nor channels_last)
             y = torch.empty_like(x).copy_(y)
-    else:
+    else:  # torch.sub (exact near hi), then native_batch_norm in eval mode over its own output
         z = _scale_shift_(_subtract(x, hi), scale, shift)
         if residual is not None:
             z.add_(residual)
@@ -267,12 +291,14 @@ def batch_norm_backward_reduce(
     """See :func:`tritonbn.kernels.batch_norm_backward_reduce`.
 
     As the kernel: ``sum(dz)`` and ``sum(dz * (x - hi))`` (:func:`_channel_sums`, one native pass),
-    then ``sum(dz * xhat) = (sum(dz * (x - hi)) - lo * sum(dz)) * invstd`` in fp64.
+    then ``sum(dz * xhat) = (sum(dz * (x - hi)) - lo * sum(dz)) * invstd`` in the arithmetic type (its
+    operands are the native op's float32 sums: float64 here would add no precision).
     """
     acc = _acc(x)
     hi, lo = _split_mean(mean, acc)
     invstd = _to(invstd, acc)
     if activation is None and grad_out.dtype == x.dtype:
+        # native_batch_norm_backward(dy, x, mean=hi, invstd=1): sum(dy) and sum(dy * (x - hi)), x - hi per element
         sum_dz, sum_dzx = _channel_sums(grad_out, x, hi)
     else:  # dz = dy * act'(z) in acc, reduced against xc = x - hi - lo
         xc = _subtract(x, hi)
@@ -285,7 +311,7 @@ def batch_norm_backward_reduce(
     if lo is None:
         sums = torch.stack((sum_dz, sum_dzx * invstd))
     else:
-        sums = torch.stack((sum_dz, ((sum_dzx - lo.double() * sum_dz) * invstd.double()).to(acc)))
+        sums = torch.stack((sum_dz, torch.addcmul(sum_dzx, lo, sum_dz, value=-1.0).mul_(invstd)))
     gdtype = weight.dtype if weight is not None else acc
     grad_weight = sums[1].to(gdtype, copy=True) if weight_grad else None
     grad_bias = sums[0].to(gdtype, copy=True) if bias_grad else None
@@ -313,8 +339,9 @@ def batch_norm_backward_elemt(
 
     As the kernel: ``dx = (dz - k * (x - hi)) * scale + c`` with ``k = mean(dz * xhat) * invstd`` and
     ``c = (k * lo - mean(dz)) * scale``: ``x - hi`` formed first (one pass, one allocation), then
-    ``dz - k * t`` (one ``addcmul`` in place) and the scale and shift (:func:`_scale_shift_` in place,
-    or one ``addcmul`` into the 16-bit output). In eval, ``dx = dz * scale``: one ``mul``.
+    ``dz - k * t`` (one ``addcmul`` in place) and the scale and shift (:func:`_scale_shift_` in place);
+    16-bit inputs take these steps on float32 copies and round once at the end. In eval,
+    ``dx = dz * scale``: one native pass.
     """
     if sums is not None and count is None:
         raise ValueError("batch_norm_backward_elemt: sums needs count")
@@ -334,12 +361,20 @@ def batch_norm_backward_elemt(
     if not input_grad:
         return None
     if sums is None:
+        if dz.dtype == x.dtype:  # native_batch_norm_backward in eval mode: dz * weight / sqrt(var + eps), one pass
+            zeros, ones = _constants_for(x.shape[1], acc, x.device)[:2]
+            dx = _aten.native_batch_norm_backward(dz, x, scale, zeros, ones, None, None, False, 0.0,
+                                                  [True, False, False])[0]  # fmt: skip
+            return dx if dx.stride() == x.stride() else torch.empty_like(x).copy_(dx)
         return torch.mul(dz, _per_channel(scale, x), out=torch.empty_like(x))
     mean_dz, k = (sums * count.clamp_min(1.0).reciprocal_().to(acc)).unbind()
     k = k * invstd
     c = (k * lo - mean_dz) * scale if lo is not None else -mean_dz * scale
-    t = _subtract(x, hi)
-    torch.addcmul(dz, t, _per_channel(-k, x), out=t)
-    if t.dtype == x.dtype:
-        return _scale_shift_(t, scale, c)
-    return torch.addcmul(_per_channel(c, x), t, _per_channel(scale, x), out=torch.empty_like(x))
+    if x.dtype == acc:
+        t = _subtract(x, hi)  # torch.sub: exact near hi, as the kernel's x - hi
+    else:  # 16-bit: in float32 copies (mixed-dtype TensorIterator ops are many times slower than two casts)
+        t = x.to(acc).sub_(_per_channel(hi, x))
+        dz = dz.to(acc)
+    torch.addcmul(dz, t, _per_channel(-k, x), out=t)  # dz - k * (x - hi), in place
+    _scale_shift_(t, scale, c)  # (.) * scale + c: native_batch_norm in eval mode over its own input
+    return t if t.dtype == x.dtype else t.to(x.dtype)
