@@ -203,11 +203,8 @@ def _update_running(running_mean, running_var, num_batches_tracked, mean64, var6
         factor = n.clamp(max=1.0).div_(num_batches_tracked + 1)
     else:
         factor = n.clamp(max=1.0).mul_(float(momentum))
-    old = torch.stack((running_mean, running_var))
-    new = torch.stack((mean64, var64 * n / (n - 1.0).clamp_min_(1.0)))
-    new_mean, new_var = torch.lerp(old.double() if old.dtype != torch.float64 else old, new, factor).unbind()
-    running_mean.copy_(new_mean)
-    running_var.copy_(new_var)
+    running_mean.copy_(torch.lerp(_to(running_mean, torch.float64), mean64, factor))
+    running_var.copy_(torch.lerp(_to(running_var, torch.float64), var64 * n / (n - 1.0).clamp_min_(1.0), factor))
     if num_batches_tracked is not None:
         num_batches_tracked.add_(n > 0.0)
 
