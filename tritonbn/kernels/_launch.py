@@ -50,23 +50,23 @@ import torch
 import triton
 
 from tritonbn._compat import (
+    COMPILE_OPTIONS,
     DIRECT_LAUNCH_VERIFIED,
     direct_entry,
+    interpreter_shims,
     launch_hook_chains,
     load_binary,
     triton_driver,
     triton_runtime_knobs,
+    version_tuple,
 )
 from tritonbn.kernels._plan import fits_occupancy
 
 _knobs = triton_runtime_knobs()  # ``interpret``
+if _knobs.interpret:
+    interpreter_shims()  # Triton 3.4 to 3.6 with NumPy 2.4 (see there)
 _enter_hooks, _exit_hooks = launch_hook_chains()  # a hook set there must see every launch
 driver = triton_driver()
-
-
-def _version(text: str) -> tuple[int, int]:
-    major, minor = text.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def direct_supported() -> bool:
@@ -74,7 +74,7 @@ def direct_supported() -> bool:
     if _knobs.interpret:
         return False
     low, high = DIRECT_LAUNCH_VERIFIED
-    return low <= _version(triton.__version__) <= high
+    return low <= version_tuple(triton.__version__) <= high
 
 
 DIRECT = direct_supported()
@@ -151,7 +151,7 @@ class Launch:
         self.scratch = scratch
         self.grid = grid
         self.scalars = tail
-        self.options = dict(constexprs, num_warps=num_warps)
+        self.options = dict(constexprs, num_warps=num_warps, **COMPILE_OPTIONS)  # fp fusion on, see _compat
         names = list(fn.arg_names)
         last = names[len(names) - len(constexprs) :]
         if len(names) != pointers + len(tail) + len(constexprs) or set(last) != set(constexprs):
