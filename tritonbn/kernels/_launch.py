@@ -54,7 +54,7 @@ from tritonbn._compat import (
     DIRECT_LAUNCH_VERIFIED,
     direct_entry,
     interpreter_shims,
-    launch_hook_chains,
+    launch_hooks_set,
     load_binary,
     triton_driver,
     triton_runtime_knobs,
@@ -65,7 +65,7 @@ from tritonbn.kernels._plan import fits_occupancy
 _knobs = triton_runtime_knobs()  # ``interpret``
 if _knobs.interpret:
     interpreter_shims()  # Triton 3.4 to 3.6 with NumPy 2.4 (see there)
-_enter_hooks, _exit_hooks = launch_hook_chains()  # a hook set there must see every launch
+hooks_set = launch_hooks_set()  # a hook set there must see every launch
 driver = triton_driver()
 
 
@@ -211,7 +211,7 @@ class Launch:
             else:
                 key = device
             found = self.compiled.get(key)
-            if found is not None and not (_enter_hooks.calls or _exit_hooks.calls or fn.pre_run_hooks):
+            if found is not None and not (fn.pre_run_hooks or hooks_set()):
                 run, function, metadata, _ = found
                 run(*self.grid, 1, active.get_current_stream(device), function, metadata, None, None, None,
                     *pointers, *self.args_after)  # fmt: skip
