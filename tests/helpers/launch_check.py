@@ -43,6 +43,12 @@ from tritonbn.kernels import _launch, _plan  # noqa: E402
 # --- a fake driver whose device and stream the cases switch ----------------------------------------
 
 
+# The fake devices' target: an H100 (sm_90), or with LAUNCH_CHECK_TARGET=gfx942 (or gfx90a) an AMD GPU, whose
+# launches Triton binds and specializes with its HIP backend (torch's CUDA API is HIP on ROCm).
+_name = os.environ.get("LAUNCH_CHECK_TARGET", "90")
+TARGET = GPUTarget("hip", _name, 64) if _name.startswith("gfx") else GPUTarget("cuda", int(_name), 32)
+
+
 class FakeDriver:
     device = 0
     stream = 0
@@ -55,7 +61,7 @@ class FakeDriver:
         return FakeDriver.stream
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return TARGET
 
 
 RECORDS: list[tuple] = []
@@ -299,6 +305,7 @@ def main() -> int:
     hooks = hooks_take_tritons_path()
     out = {
         "triton": _launch.triton.__version__,
+        "target": f"{TARGET.backend}:{TARGET.arch}",
         "launches": STATS["launches"],
         "direct": STATS["direct"],
         "through_triton": STATS["through_triton"],
