@@ -1,5 +1,10 @@
 """Kernel audit: the sm_90 code of every kernel launch tritonbn makes for ResNet-50, read without a GPU.
 
+``--arch`` audits another target instead: 80 (A100), 89 (L40S), 100 (B200), read as below, or gfx90a (MI250X),
+gfx942 (MI300X), whose AMDGCN assembly is read by ``benchmarks/_amdgcn.py`` (VGPRs, spills, occupancy, the
+main loop's widest loads and stores; no round trips). Launches are planned as on that GPU: its SM or CU
+count (:data:`SMS`, or ``--sm-count``) and its warp size (wavefronts of 64 on AMD).
+
     python benchmarks/kernel_audit.py --out DIR [--quick] [--results benchmarks/RESULTS.md]
     python benchmarks/kernel_audit.py --out DIR --model          # also the time model: DIR/model.json
     python benchmarks/kernel_audit.py --self-check     # the round-trip counter on two toy kernels
@@ -99,6 +104,10 @@ LAYOUTS = ("contiguous", "channels_last")
 QUICK_SHAPES = [(32, 256, 14, 14), (32, 2048, 7, 7)]  # 14^2 and 7^2: the NCHW alignment cases
 MAX_REGISTERS = 128
 SM_COUNT = 132  # launches are planned as on a GPU with this many SMs (--sm-count)
+WARP_SIZE = 32  # and this warp size (64: AMD)
+# SMs (CUs) of the GPU each target is planned as (vendors' specifications): A100 SXM, L40S, H100/H200 SXM,
+# B200, MI250X (one of its two dies), MI300X.
+SMS = {"80": 108, "89": 142, "90": 132, "100": 148, "gfx90a": 110, "gfx942": 304}
 MERGE_FN = "merge_tree"  # tritonbn.kernels._common: the merge of the per-program partials after the main loop
 GLOBAL_LOADS = ("LDG", "LD", "LDGSTS", "UTMALDG")
 GLOBAL_STORES = ("STG", "ST")
@@ -212,7 +221,11 @@ def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget, com
 
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     out = {}
-    with triton_backend_on_cpu(), planned_as("cuda", SM_COUNT), captured_launches(target, compiled) as launches:
+    with (
+        triton_backend_on_cpu(),
+        planned_as("cuda", SM_COUNT, WARP_SIZE),
+        captured_launches(target, compiled) as launches,
+    ):
         bn = tritonbn.SyncBatchNorm(shape[1])  # fp32 parameters, as under autocast
         x = torch.empty(shape, dtype=dtype, memory_format=memory_format).requires_grad_()
         y = bn(x)
@@ -501,6 +514,15 @@ def read_compiled(launch: Launch, target: GPUTarget, cache: dict) -> dict:
 
 def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, target) -> dict:
     """Compile one specialization for ``target`` and read registers, spills, shared memory and the main loop."""
+    if target.backend == "hip":
+        import _amdgcn
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+        named = {fn.arg_names[p[0]]: v for p, v in constexprs.items() if len(p) == 1}
+        num_warps = int(options["num_warps"])
+        return _amdgcn.read(kernel, num_warps, tile_elements(named) / (num_warps * target.warp_size))
     knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
     try:
@@ -625,12 +647,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "| ld bits | st bits | round trips | SASS/elem | tail KB | tail iters | tail trips |"
     )
     lines = [
-        "## Kernel audit (sm_90, compiled without a GPU)",
+        f"## Kernel audit ({meta['target']}, compiled without a GPU)",
         "",
         f"Generated {meta['date']} by `python benchmarks/kernel_audit.py{' --quick' if meta['quick'] else ''}`, "
         f"triton {meta['triton']}, torch {meta['torch']}, target {meta['target']}; "
         f"{meta['rows']} launches, {meta['compilations']} distinct compilations. Launches come from the module "
-        "path planned as on a 132-SM GPU; the main-loop columns read the SASS (see the script's docstring). "
+        f"path planned as on a {meta.get('sm_count', 132)}-SM GPU; the main-loop columns read the SASS "
+        "(AMDGCN on AMD; see the script's docstring). "
         "`-`: the kernel has no loop.",
         "",
         *summary(rows),
@@ -671,6 +694,12 @@ def summary(rows: list[dict]) -> list[str]:
         out.append(f"- **Spills**: {len(spills)} launches spill ({text}).")
     else:
         out.append("- **Spills**: none.")
+    amd = [r for r in rows if r.get("llvm_waves_per_simd") is not None]
+    if amd:
+        off = [r for r in amd if r["model_waves_per_simd"] != r["llvm_waves_per_simd"]]
+        out.append(
+            f"- **Occupancy**: the CDNA model's waves per SIMD differ from LLVM's in {len(off)} of {len(amd)} launches."
+        )
     launches = {}
     for r in rows:
         launches.setdefault(r["mode"], set()).add(int(r["launch"].split("/")[1]))
@@ -948,9 +977,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, bf16 and fp32 only")
     parser.add_argument("--results", help="also write the table into this RESULTS.md, between the audit markers")
     parser.add_argument("--self-check", action="store_true", help="run the round-trip counter on toy kernels")
-    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
+    parser.add_argument("--arch", default="90", choices=sorted(SMS), help="the target (default 90: H100/H200)")
     parser.add_argument("--model", action="store_true", help="also model each launch and the training step: model.json")
-    parser.add_argument("--sm-count", type=int, default=132, help="plan launches as on a GPU with this many SMs")
+    parser.add_argument("--sm-count", type=int, help="plan launches as on a GPU with this many SMs (default: SMS)")
     parser.add_argument(
         "--flat-merge",
         action="store_true",
@@ -962,7 +991,9 @@ def main(argv=None) -> int:
     if why:
         print(f"kernel_audit: cannot run: {why}", file=sys.stderr)
         return 2
-    target = GPUTarget("cuda", args.arch, 32)
+    hip = args.arch.startswith("gfx")
+    target = GPUTarget("hip", args.arch, 64) if hip else GPUTarget("cuda", int(args.arch), 32)
+    name = args.arch if hip else f"sm_{args.arch}"
     if args.self_check:
         print(json.dumps(self_check(target), indent=1))
         return 0
@@ -975,20 +1006,21 @@ def main(argv=None) -> int:
     if args.case:
         shape, dtype, layout = args.case.split(",")
         shapes, dtypes, layouts = [tuple(map(int, shape.split("x")))], (dtype,), (layout,)
-    global SM_COUNT
-    SM_COUNT = args.sm_count
+    global SM_COUNT, WARP_SIZE
+    SM_COUNT, WARP_SIZE = args.sm_count or SMS[args.arch], target.warp_size
     if args.flat_merge:
         from tritonbn.kernels import _plan
 
         _plan._FLAT_MERGE = 1 << 30
     t0 = time.time()
-    print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {layouts} x {MODES} for sm_{args.arch}")
+    print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {layouts} x {MODES} for {name}, planned on {SM_COUNT} SMs")
     rows, compilations = audit(shapes, dtypes, layouts, target)
     meta = {
         "date": datetime.date.today().isoformat(),
         "triton": triton.__version__,
         "torch": torch.__version__,
-        "target": f"sm_{args.arch}",
+        "target": name,
+        "sm_count": SM_COUNT,
         "quick": args.quick,
         "rows": len(rows),
         "compilations": compilations,
