@@ -841,6 +841,29 @@ ASSUMPTIONS = {
         "s: per launch, the gap between back-to-back kernels on a stream plus the ramp and drain of the grid; assumed",
     ),
 }
+_SAME = {k: ASSUMPTIONS[k] for k in ("dram_latency_s", "merge_bw_per_sm", "merge_level_s", "launch_fixed_s")}
+# The A100 and MI300X rows: the same kinds of figures, from the vendors' specifications, and the same assumed
+# latencies and merge costs as the H200's (not measured or verified on either GPU).
+A100 = {
+    "hbm_copy_bw": (1.8e12, "B/s: ~90% of the A100 SXM 80GB's 2.039 TB/s HBM2e peak (NVIDIA A100 datasheet); assumed"),
+    "sms": (108, "SMs of an A100 (NVIDIA A100 Tensor Core GPU architecture whitepaper)"),
+    "clock_hz": (1.41e9, "Hz: A100 SXM boost clock (NVIDIA specification)"),
+    "issue_per_sm_clock": (4, "warp instructions issued per SM per clock: 4 schedulers (NVIDIA Ampere whitepaper)"),
+    **_SAME,
+}
+MI300X = {
+    "hbm_copy_bw": (4.8e12, "B/s: ~90% of the MI300X's 5.3 TB/s HBM3 peak (AMD Instinct MI300X datasheet); assumed"),
+    "sms": (304, "compute units of an MI300X (AMD specification)"),
+    "clock_hz": (2.1e9, "Hz: MI300X peak engine clock (AMD specification)"),
+    "issue_per_sm_clock": (
+        1,
+        "wavefront instructions per CU per clock: 4 SIMDs, each taking 4 clocks for a vector instruction of a "
+        "wavefront of 64 (AMD CDNA3 ISA guide); assumed",
+    ),
+    **_SAME,
+}
+# The model's device per audited target (--model): the H200 row for sm_90, A100 for sm_80, MI300X for gfx942.
+MODEL_DEVICES = {"90": ("H200", ASSUMPTIONS), "80": ("A100", A100), "gfx942": ("MI300X", MI300X)}
 # Activation-sized tensors each kernel reads and writes (the plain module: no residual, no activation).
 KERNEL_TENSORS = {
     "_batch_norm_stats_kernel": (1, 0),
@@ -884,14 +907,14 @@ def model_launch(r: dict) -> dict:
     resident = sms * max(1, r["max_warps_per_sm"] // r["num_warps"])
     waves = [resident] * (programs // resident) + ([programs % resident] if programs % resident else [])
     load_bytes = (r["loop_global_loads"] or 0) * (r["load_vector_bits"] or 32) / 8
-    program_in_flight = r["num_warps"] * 32 * load_bytes
+    program_in_flight = r["num_warps"] * WARP_SIZE * load_bytes
     issue_rate = _a("issue_per_sm_clock") * _a("clock_hz")  # warp instructions per second on one SM
     per_program = numel / programs  # elements
     hbm = little = issue = main = 0.0
     for n in waves:
         h = n * per_program * (reads + writes) * itemsize / _a("hbm_copy_bw")
         lt = per_program * reads * itemsize / program_in_flight * _a("dram_latency_s") if program_in_flight else 0.0
-        iss = (r["sass_per_element"] or 0) * per_program / 32 * -(-n // sms) / issue_rate
+        iss = (r["sass_per_element"] or 0) * per_program / WARP_SIZE * -(-n // sms) / issue_rate
         hbm, little, issue, main = hbm + h, little + lt, issue + iss, main + max(h, lt, iss)
     tail_bytes_s = (r.get("tail_bytes") or 0) / _a("merge_bw_per_sm")
     tail = tail_bytes_s + (r.get("tail_levels") or 0) * _a("merge_level_s")
@@ -946,7 +969,8 @@ def model(rows: list[dict], layer_counts: dict[str, int]) -> dict:
 
 def model_markdown(m: dict, quick: bool) -> str:
     lines = [
-        "### Time model of the BatchNorms of a ResNet-50 training step (a model, not a measurement)",
+        f"### Time model of the BatchNorms of a ResNet-50 training step on an {m.get('device', 'H200')} "
+        "(a model, not a measurement)",
         "",
         f"`python benchmarks/kernel_audit.py --model{' --quick' if quick else ''}`: batch 32, forward+backward of "
         "every BatchNorm layer (each shape weighted by its count), against the HBM floor (8 activation-sized "
@@ -1008,6 +1032,11 @@ def main(argv=None) -> int:
         shapes, dtypes, layouts = [tuple(map(int, shape.split("x")))], (dtype,), (layout,)
     global SM_COUNT, WARP_SIZE
     SM_COUNT, WARP_SIZE = args.sm_count or SMS[args.arch], target.warp_size
+    if args.model:
+        if args.arch not in MODEL_DEVICES:
+            parser.error(f"--model: no device row for {name} (rows: {', '.join(sorted(MODEL_DEVICES))})")
+        global ASSUMPTIONS
+        device, ASSUMPTIONS = MODEL_DEVICES[args.arch]
     if args.flat_merge:
         from tritonbn.kernels import _plan
 
@@ -1032,6 +1061,7 @@ def main(argv=None) -> int:
         counts = {"x".join(map(str, sh)): n for sh, n in distinct_bn_shapes(32)}
         counts.update({"x".join(map(str, sh)): counts.get("x".join(map(str, sh)), 1) for sh in shapes})
         m = model(rows, counts)
+        m["device"] = device
         m["meta"] = meta
         with open(os.path.join(args.out, "model.json"), "w") as f:
             json.dump(m, f, indent=1)
