@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for one GPU (A100, H100, H200, or a ROCm GPU such as an MI300X), within about 8 minutes
 # (sized for an H200 with torch 2.11 and Triton 3.6 and no package registry). It records the device (its
-# target, SM/CU count, warp size, L2) and the torch, Triton and NumPy versions in OUTDIR/env.json. Stages run in order of value; each writes its results to
-# OUTDIR before the next starts, and a stage that fails is recorded in OUTDIR/stages.txt while the
-# next one still runs:
+# target, SM/CU count, warp size, L2) and the torch, Triton and NumPy versions in OUTDIR/env.json. Stages
+# run in order of value; each writes its results to OUTDIR before the next starts, and a stage that fails
+# is recorded in OUTDIR/stages.txt while the next one still runs:
 #   1. correctness with the compiled kernels (<= 255 s): tests/helpers/gpu_checks.py (a training step
 #      captured in a CUDA graph and replayed against eager, an empty batch in a graph, forward and
 #      backward under torch.cuda.set_sync_debug_mode("error")), then the oracle tests of
