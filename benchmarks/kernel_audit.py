@@ -708,11 +708,12 @@ def summary(rows: list[dict]) -> list[str]:
     tails = [r for r in rows if r["tail_bytes"] is not None]
     if tails:
         worst_tail = max(tails, key=lambda r: r["tail_bytes"])
+        tail_trips = [r["tail_round_trips"] for r in tails if r["tail_round_trips"] is not None]  # not read on AMD
         out.append(
             f"- **Longest merge tail**: {worst_tail['tail_bytes'] / 1024:.1f} KB in {worst_tail['tail_iterations']} "
             f"iterations over {worst_tail['tail_levels']} levels ({worst_tail['kernel']}, {worst_tail['layout']} "
             f"{worst_tail['dtype']} {worst_tail['shape']}, grid {'x'.join(map(str, worst_tail['grid']))}); "
-            f"merge-loop round trips (max): {max((r['tail_round_trips'] or 0) for r in tails)}."
+            f"merge-loop round trips (max): {_fmt(max(tail_trips, default=None))}."
         )
     out += ["", "| kernel | layout | dtype | regs (max) | spill B (max) | warps/SM (min) | ld bits (min-max) "
                 "| st bits (min-max) | round trips (max) | SASS/elem (min-max) | tail KB (max) |",

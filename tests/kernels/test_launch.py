@@ -80,6 +80,8 @@ def test_programs_per_cu_on_cdna():
     assert programs_per_sm(128, 4, 0, CDNA) == 4
     assert programs_per_sm(129, 4, 0, CDNA) == 3  # rounded up to 136 VGPRs: 3 a SIMD
     assert programs_per_sm(200, 1, 0, CDNA) == 8  # 2 a SIMD (not 10 from the CU's pooled registers)
+    # LLVM's figures in the gfx942 quick audit: 66 VGPRs 7 waves a SIMD (allocated in units of 8: 72), 74 gave 6
+    assert [programs_per_sm(v, 1, 0, CDNA) for v in (66, 74, 90, 98)] == [28, 24, 20, 16]
     assert programs_per_sm(32, 4, 40 * 1024, CDNA) == 1  # LDS: 64 KiB per CU
 
 
