@@ -95,6 +95,8 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_file import write_section  # noqa: E402
+
 from tritonbn.cli.resnet50 import distinct_bn_shapes  # noqa: E402
 from tritonbn.kernels._launch import SM90, resident_limits  # noqa: E402
 
@@ -742,21 +744,6 @@ def summary(rows: list[dict]) -> list[str]:
     return out
 
 
-BEGIN, END = "<!-- kernel-audit:begin -->", "<!-- kernel-audit:end -->"
-
-
-def write_results_section(path: str, section: str) -> None:
-    """Put ``section`` between the audit markers of ``path`` (appended the first time)."""
-    text = open(path).read() if os.path.exists(path) else ""
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    with open(path, "w") as f:
-        f.write(text)
-
-
 # ----------------------------------------------------------------------------------------------
 # Self-check: the round-trip counter on toy kernels
 # ----------------------------------------------------------------------------------------------
@@ -1072,7 +1059,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "kernel_audit.md"), "w") as f:
         f.write(md)
     if args.results:
-        write_results_section(args.results, md)
+        write_section(args.results, "kernel-audit", md)
     print("\n".join(summary(rows)))
     print(f"kernel_audit: {len(rows)} rows in {time.time() - t0:.0f} s -> {args.out}/kernel_audit.json and .md")
     return 0

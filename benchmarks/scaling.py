@@ -45,13 +45,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_file import write_section  # noqa: E402
+
 from tritonbn.cli._spawn import spawn  # noqa: E402
 from tritonbn.cli.resnet50 import resnet50  # noqa: E402
 
 IMPLS = ("tritonbn", "allgather")
 FULL_WORLDS, SMOKE_WORLDS = (2, 4, 8), (2, 4)
 MODEL_WORLDS = tuple(2**k for k in range(3, 13))  # 8 .. 4096 GPUs
-BEGIN, END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
 # fork where there is one: the ranks need nothing from a fresh interpreter and start in a fraction of the time
 START_METHOD = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
 
@@ -457,18 +458,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results_section(path: str, section: str) -> None:
-    """Put ``section`` between the scaling markers of ``path`` (appended the first time)."""
-    text = open(path).read() if os.path.exists(path) else ""
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="write the measured rows, the fit and the model here")
@@ -516,7 +505,7 @@ def main(argv=None) -> int:
         plot(result, args.plot)
     section = markdown(result)
     if args.results:
-        write_results_section(args.results, section)
+        write_section(args.results, "scaling", section)
     print(section)
     return 0
 

@@ -5,6 +5,8 @@
 * :func:`syncbn_group`: node-local BatchNorm groups of ``group_size`` consecutive ranks.
 * :func:`sync_batch_norm`: the functional form.
 * :func:`fuse_batchnorm_activations`: fuse BatchNorm -> (add ->) activation into tritonbn modules.
+* :func:`fold_batchnorm`: fold eval-mode BatchNorms into the convolutions before them, for serving
+  (torch.export, ONNX and jit.trace see torch's own ops anyway: :mod:`tritonbn.export`).
 * :mod:`tritonbn.diagnose`, :func:`sync_running_stats`, :func:`recalibrate_batchnorm`: find and
   repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
@@ -19,6 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from tritonbn import diagnose
 from tritonbn.convert import convert_sync_batchnorm, revert_sync_batchnorm
+from tritonbn.export import fold_batchnorm
 from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.groups import syncbn_group
@@ -46,6 +49,7 @@ __all__ = [
     "syncbn_group",
     "sync_batch_norm",
     "fuse_batchnorm_activations",
+    "fold_batchnorm",
     "sync_running_stats",
     "recalibrate_batchnorm",
     "accumulate_stats",

@@ -150,7 +150,7 @@ def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, re
     """
     training, group, activation, slope = layer.training, layer.group, layer.activation, layer.negative_slope
     if training and group is not None and debug_enabled():
-        check_signature(group, "backward", signature(x, True, input_grad), layer=layer.name)
+        check_signature(group, "backward", signature(x, True, input_grad), name=layer.name)
     sums = dx = dw = db = dr = None
     if weight_grad or bias_grad or (input_grad and training):
         sums, dw, db = ops.batch_norm_backward_reduce(

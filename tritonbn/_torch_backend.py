@@ -3,6 +3,33 @@
 It runs wherever PyTorch runs (CPU without the Triton interpreter, or a device Triton cannot target),
 keeps every result on the device (no host synchronization), and uses the same shifted statistics,
 fp64 sums and split fp64 mean as the kernels, so both backends agree to rounding.
+
+Speed. Each full-size pass is one of torch's fused native CPU operations (the ones
+``nn.BatchNorm2d`` runs, with their contiguous and channels_last specializations), never a chain of
+small ones, and the per-channel work is a few small ops on ``(C,)`` tensors:
+
+* every per-channel sum: ``aten.native_batch_norm_backward`` with only the weight and bias
+  gradients asked for (:func:`_channel_sums`). With ``mean = m`` and ``invstd = 1`` it returns
+  ``sum(dy)`` and ``sum(dy * (x - m))`` in one read of ``dy`` and ``x``, and writes nothing
+  activation-sized. With ``dy = x = x - p`` these are the forward statistics ``S1`` and ``S2``; with
+  ``dy = dz`` and ``m = hi`` they are the kernels' backward sums.
+* every per-channel scale and shift: ``torch.native_batch_norm`` in eval mode with given statistics,
+  one pass (:func:`_scale_shift_`, in place);
+* ``x - hi``: one ``torch.sub``, and ``dz - k * (x - hi)``: one ``torch.addcmul`` into that buffer.
+
+Precision, the rule behind each choice: where ``|mean| / std`` may be large (float32 and float64
+inputs; the tests go to 1e3), ``x - hi`` is formed first, exactly as the kernels do (exact by
+Sterbenz wherever ``x`` is within a factor 2 of ``hi``), and only that small difference is scaled:
+the affine form ``x * alpha + beta`` would round ``x * alpha`` and ``beta`` at ``|mean| / std``
+times the precision of the result. For float16 / bfloat16 inputs the forward takes the affine form
+in float32 (one native pass): its error, ``2^-24 |mean| / std``, stays far below the output's own
+rounding (``2^-8`` for bfloat16, ``2^-11`` for float16) at every ``|mean| / std`` that 8 or 11 bits
+of input can resolve, so results agree with the kernels' to the output's rounding. The sums are
+float32 (float64 for float64 inputs) as in the kernels, removed from their shift and summed across
+ranks in float64.
+
+The fused epilogue (residual and activation) takes the same fast steps where it can, and computes
+``dz = dy * act'(z)`` with plain elementwise ops.
 """
 
 from __future__ import annotations
@@ -12,22 +39,80 @@ import torch
 from tritonbn._numerics import compute_dtype
 from tritonbn.activations import check_output_gives_grad
 
+_aten = torch.ops.aten
+_constants: dict = {}
 
-def _dims(x: torch.Tensor) -> list[int]:
-    return [0, *range(2, x.dim())]
+
+_ONES = {d: (1,) * (d - 2) for d in range(2, 6)}
 
 
 def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return v.reshape(1, -1, *([1] * (x.dim() - 2)))
+    return v.view((1, -1) + _ONES[x.dim()])
 
 
-def _activate(z: torch.Tensor, activation: str | None, slope: float) -> torch.Tensor:
+def _constants_for(C: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``(zeros (C,), ones (C,), empty, empty)`` made once per (C, dtype, device); the native calls read them
+    (the empties are the unused ``save_mean`` / ``save_invstd`` outputs of an eval-mode ``out=`` call)."""
+    key = (C, dtype, device)
+    consts = _constants.get(key)
+    if consts is None:
+        options = {"dtype": dtype, "device": device}
+        consts = _constants[key] = (torch.zeros(C, **options), torch.ones(C, **options), torch.empty(0, **options),
+                                    torch.empty(0, **options))  # fmt: skip
+    return consts
+
+
+def _channel_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(dy), sum(dy * (x - mean)))`` per channel, in one pass: ``aten.native_batch_norm_backward``.
+
+    With ``invstd = 1`` its ``grad_weight`` is ``sum(dy * (x - mean))`` and its ``grad_bias`` is
+    ``sum(dy)``; ``grad_input`` is not asked for, so nothing activation-sized is written. ``x - mean``
+    is formed per element before the product (as in the kernels), and the sums accumulate in
+    float32 (float64 for float64 inputs; in double across the planes of contiguous inputs), the
+    kernels' per-lane precision. ``mean`` has the arithmetic type of ``x`` (float32 for 16-bit ``x``:
+    torch's mixed-type path).
+    """
+    if x.numel() == 0:  # the native kernels divide by the batch size: an empty rank's sums are zeros
+        zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
+        return zeros, zeros.clone()
+    if x.dtype != mean.dtype and not (_native_layout(x) and dy.stride() == x.stride()):
+        # torch's generic (strided) path sums 16-bit tensors in their own type: give it float32 copies
+        x32 = x.to(mean.dtype)
+        dy, x = (x32 if dy is x else dy.to(mean.dtype)), x32
+    ones = _constants_for(x.shape[1], mean.dtype, x.device)[1]
+    _, dotp, total = _aten.native_batch_norm_backward(dy, x, None, None, None, mean, ones, True, 0.0,
+                                                      [False, True, True])  # fmt: skip
+    return total, dotp
+
+
+def _native_layout(t: torch.Tensor) -> bool:
+    """Whether the native batch-norm kernels take their fast path on ``t``: contiguous or channels_last."""
+    return (
+        t.is_contiguous()
+        or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+        or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    )
+
+
+def _scale_shift_(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``t = t * scale + shift`` per channel, in place, in one pass: ``torch.native_batch_norm`` in eval
+    mode with ``mean = 0``, ``var = 1``, ``eps = 0`` (so ``alpha = scale`` and ``beta = shift`` exactly),
+    written over its own input (``out=``: an elementwise kernel reads each element before writing it).
+    """
+    if t.numel():
+        zeros, ones, e1, e2 = _constants_for(t.shape[1], t.dtype, t.device)
+        torch.native_batch_norm(t, scale, shift, zeros, ones, False, 0.0, 0.0, out=(t, e1, e2))
+    return t
+
+
+def _activate_(z: torch.Tensor, activation: str | None, slope: float) -> torch.Tensor:
+    """act(z) in place (relu and silu propagate NaN, as the kernels do)."""
     if activation == "relu":
-        return torch.relu(z)
+        return z.relu_()
     if activation == "leaky_relu":
-        return torch.where(z > 0, z, z * slope)
+        return torch.nn.functional.leaky_relu_(z, slope)
     if activation == "silu":
-        return z * torch.sigmoid(z)
+        return torch.nn.functional.silu(z, inplace=True)
     return z
 
 
@@ -55,37 +140,74 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return compute_dtype(x.dtype)
 
 
-def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(hi, lo)`` in ``acc`` with ``hi + lo = mean64`` to fp64 precision; ``lo`` is ``None`` (0) for fp64."""
+    if acc == torch.float64:
+        return mean64, None
     hi = mean64.to(acc)
-    return hi, (mean64 - hi.double()).to(acc)
+    return hi, (mean64 - hi).to(acc)
+
+
+def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``x - hi`` per channel in the arithmetic type (``hi``'s), laid out like ``x``: one pass, one allocation.
+
+    ``x - hi`` is exact wherever ``x`` lies within a factor 2 of ``hi`` (Sterbenz): what keeps fp32
+    precision when ``|mean| >> std``, as in the kernels.
+    """
+    return torch.sub(x, _per_channel(hi, x), out=torch.empty_like(x, dtype=hi.dtype))
 
 
 def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
-    """See :func:`tritonbn.kernels.batch_norm_stats`."""
+    """See :func:`tritonbn.kernels.batch_norm_stats`.
+
+    As the kernel: ``d = x - p`` with ``p`` each channel's first element, ``S1 = sum(d)`` and
+    ``S2 = sum(d^2)`` from one native reduction (:func:`_channel_sums` with ``dy = x = d``), then
+    the packed fp64 ``[S1 + n p | S2 + p (S1 + sum x) | n]``. The shift keeps ``S2 / n - (S1 / n)^2``
+    free of cancellation when ``|mean| >> std``; removing it in fp64 is exact to ~1e-16. 16-bit
+    inputs skip the shifted copy (see below): one native pass over ``x`` itself.
+    """
     C = x.shape[1]
     n = x.numel() // C if C else 0
-    stats = torch.zeros(2 * C + 1, dtype=torch.float64, device=x.device)
-    stats[2 * C] = n
     if n == 0:
-        return stats
+        return torch.zeros(2 * C + 1, dtype=torch.float64, device=x.device)  # count 0
     acc = _acc(x)
-    shift = x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(acc)
-    var, mean = torch.var_mean(x.to(acc) - _per_channel(shift, x), dim=_dims(x), correction=0)
-    mean64 = mean.double() + shift.double()
-    stats[:C] = n * mean64
-    stats[C : 2 * C] = var.double() * n + n * mean64 * mean64
-    return stats
+    p = _to(x.as_strided((C,), (x.stride(1),)), acc)  # each channel's first element (x[0, :, 0, ...])
+    if x.dtype == acc:
+        d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
+        # native_batch_norm_backward(dy=d, x=d, mean=0, invstd=1): S1 = sum(d), S2 = sum(d * d), one read of d
+        s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
+        s1, s2, p = torch.stack((s1, s2, p)).double().unbind()  # the shift comes off in fp64, as in the kernel
+        sum_x = torch.add(s1, p, alpha=n)
+        sum_x2 = torch.addcmul(s2, p, s1 + sum_x)
+    else:
+        # 16-bit: native_batch_norm_backward(dy=x, x=x, mean=p, invstd=1), torch's mixed-type path, no
+        # copy of x: sum(x) and sum(x * (x - p)) in float32, then sum(x^2) = sum(x * (x - p)) + p sum(x) in
+        # fp64. Unshifted, sum(x) loses about 2^-24 sqrt(n) |mean| / std of a std: far below 16-bit
+        # rounding at every |mean| / std that 8 or 11 bits resolve.
+        sum_x, s2 = _channel_sums(x, x, p)
+        sum_x, s2, p = torch.stack((sum_x, s2, p)).double().unbind()
+        sum_x2 = torch.addcmul(s2, p, sum_x)
+    return torch.cat((sum_x, sum_x2, sum_x.new_full((1,), n)))
 
 
-def _channel_stats(stats, running_mean, running_var):
-    if stats is not None:
-        C = (stats.numel() - 1) // 2
-        s1, s2, n = stats[:C], stats[C : 2 * C], stats[2 * C]
-        nn = n.clamp_min(1.0)
-        mean = s1 / nn
-        return mean, (s2 / nn - mean * mean).clamp_min(0.0), n
-    # Copies: the saved mean is an output of its own, never the running buffer.
-    return running_mean.to(torch.float64, copy=True), running_var.to(torch.float64, copy=True), None
+def _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum) -> None:
+    """The running-stat update in fp64, as the kernels: ``r + factor * (value - r)``, the variance unbiased.
+
+    ``factor`` is 0 when every rank was empty (count 0), which leaves the buffers as they were (a
+    lerp by 0), and ``num_batches_tracked`` grows by 1 only when the count is positive.
+    """
+    if momentum is None:
+        factor = n.clamp(max=1.0).div_(num_batches_tracked + 1)
+    else:
+        factor = n.clamp(max=1.0).mul_(float(momentum))
+    running_mean.copy_(torch.lerp(_to(running_mean, torch.float64), mean64, factor))
+    running_var.copy_(torch.lerp(_to(running_var, torch.float64), var64 * n / (n - 1.0).clamp_min_(1.0), factor))
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(n > 0.0)
 
 
 def batch_norm_elemt(
@@ -104,41 +226,49 @@ def batch_norm_elemt(
     negative_slope: float = 0.01,
     save_stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """See :func:`tritonbn.kernels.batch_norm_elemt`."""
+    """See :func:`tritonbn.kernels.batch_norm_elemt`.
+
+    ``y = act((x - hi) * scale + shift + residual)`` with ``shift = bias - lo * scale``, as the kernel:
+    ``x - hi`` formed first (one pass), then :func:`_scale_shift_` in place (one pass). 16-bit inputs
+    without an epilogue take one native pass instead, ``torch.native_batch_norm`` in eval mode with
+    ``weight = scale``, ``bias = shift``, ``mean = hi``, ``var = 1``, ``eps = 0`` (``alpha = scale``,
+    ``beta = shift - hi * scale``: exact enough for 16-bit outputs, see the module docstring).
+    """
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
     if momentum is None and training and running_mean is not None and num_batches_tracked is None:
         raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
     acc = _acc(x)
-    mean64, var64, n = _channel_stats(stats, running_mean, running_var)
-    invstd = torch.rsqrt(var64 + eps).to(acc)
-    if training and running_mean is not None:
-        keep = n > 0  # every rank empty: leave the running stats alone
-        if momentum is None:
-            factor = 1.0 / (num_batches_tracked + 1).double()
-        else:
-            factor = float(momentum)
-        unbiased = var64 * n / (n - 1.0).clamp_min(1.0)
-        new_mean = running_mean.double() * (1.0 - factor) + mean64 * factor
-        new_var = running_var.double() * (1.0 - factor) + unbiased * factor
-        running_mean.copy_(torch.where(keep, new_mean, running_mean.double()))
-        running_var.copy_(torch.where(keep, new_var, running_var.double()))
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(keep.reshape(num_batches_tracked.shape).long())
+    C = x.shape[1]
+    if training:
+        n = stats[2 * C]
+        mean64, ex2 = (stats[: 2 * C].view(2, C) / n.clamp_min(1.0)).unbind()
+        var64 = torch.addcmul(ex2, mean64, mean64, value=-1.0).clamp_min_(0.0)  # NaN stays NaN
+        if running_mean is not None:
+            _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum)
+    else:  # copies: the saved mean is an output of its own, never the running buffer
+        mean64, var64 = running_mean.to(torch.float64, copy=True), running_var.to(torch.float64)
+    invstd = _to((var64 + eps).rsqrt_(), acc)
     hi, lo = _split_mean(mean64, acc)
-    scale = invstd * weight.to(acc) if weight is not None else invstd
-    xc = (x.to(acc) - _per_channel(hi, x)) - _per_channel(lo, x)
-    y = xc * _per_channel(scale, x)
-    if bias is not None:
-        y = y + _per_channel(bias.to(acc), x)
-    if residual is not None:
-        y = y + residual.to(acc)
-    out = torch.empty_like(x)
-    out.copy_(_activate(y, activation, negative_slope))
+    scale = invstd * _to(weight, acc) if weight is not None else invstd
+    shift = _to(bias, acc) if bias is not None else _constants_for(C, acc, x.device)[0]
+    if lo is not None:
+        shift = torch.addcmul(shift, lo, scale, value=-1.0)
+    if x.dtype != acc and residual is None and activation is None and x.numel():
+        # 16-bit: native_batch_norm in eval mode, y = x * scale + (shift - hi * scale) in fp32, rounded once
+        y = torch.native_batch_norm(x, scale, shift, hi, _constants_for(C, acc, x.device)[1], False, 0.0, 0.0)[0]
+        if y.stride() != x.stride():  # a layout the native kernel does not keep (neither contiguous nor channels_last)
+            y = torch.empty_like(x).copy_(y)
+    else:  # torch.sub (exact near hi), then native_batch_norm in eval mode over its own output
+        z = _scale_shift_(_subtract(x, hi), scale, shift)
+        if residual is not None:
+            z.add_(residual)
+        z = _activate_(z, activation, negative_slope)
+        y = z if z.dtype == x.dtype else torch.empty_like(x).copy_(z)
     if not save_stats:
-        return out, None, None
-    return out, mean64, invstd
+        return y, None, None
+    return y, mean64, invstd
 
 
 def batch_norm_backward_reduce(
@@ -156,15 +286,30 @@ def batch_norm_backward_reduce(
     residual: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """See :func:`tritonbn.kernels.batch_norm_backward_reduce`."""
+    """See :func:`tritonbn.kernels.batch_norm_backward_reduce`.
+
+    As the kernel: ``sum(dz)`` and ``sum(dz * (x - hi))`` (:func:`_channel_sums`, one native pass),
+    then ``sum(dz * xhat) = (sum(dz * (x - hi)) - lo * sum(dz)) * invstd`` in the arithmetic type (its
+    operands are the native op's float32 sums: float64 here would add no precision).
+    """
     acc = _acc(x)
     hi, lo = _split_mean(mean, acc)
-    xc = (x.to(acc) - _per_channel(hi, x)) - _per_channel(lo, x)
-    invstd = invstd.to(acc)
-    scale = invstd * weight.to(acc) if weight is not None else invstd
-    dy = _grad_z(grad_out.to(acc), xc, scale, bias, x, activation, negative_slope, residual, output)
-    dims = _dims(x)
-    sums = torch.stack([dy.sum(dims), (dy * xc).sum(dims) * invstd])
+    invstd = _to(invstd, acc)
+    if activation is None and grad_out.dtype == x.dtype:
+        # native_batch_norm_backward(dy, x, mean=hi, invstd=1): sum(dy) and sum(dy * (x - hi)), x - hi per element
+        sum_dz, sum_dzx = _channel_sums(grad_out, x, hi)
+    else:  # dz = dy * act'(z) in acc, reduced against xc = x - hi - lo
+        xc = _subtract(x, hi)
+        if lo is not None:
+            xc.sub_(_per_channel(lo, x))
+        scale = invstd * _to(weight, acc) if weight is not None else invstd
+        dz = _grad_z(_to(grad_out, acc), xc, scale, bias, x, activation, negative_slope, residual, output)
+        sum_dz, sum_dzx = _channel_sums(dz, xc, _constants_for(x.shape[1], acc, x.device)[0])
+        lo = None
+    if lo is None:
+        sums = torch.stack((sum_dz, sum_dzx * invstd))
+    else:
+        sums = torch.stack((sum_dz, torch.addcmul(sum_dzx, lo, sum_dz, value=-1.0).mul_(invstd)))
     gdtype = weight.dtype if weight is not None else acc
     grad_weight = sums[1].to(gdtype, copy=True) if weight_grad else None
     grad_bias = sums[0].to(gdtype, copy=True) if bias_grad else None
@@ -188,22 +333,46 @@ def batch_norm_backward_elemt(
     input_grad: bool = True,
     out_grad_residual: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """See :func:`tritonbn.kernels.batch_norm_backward_elemt`."""
+    """See :func:`tritonbn.kernels.batch_norm_backward_elemt`.
+
+    As the kernel: ``dx = (dz - k * (x - hi)) * scale + c`` with ``k = mean(dz * xhat) * invstd`` and
+    ``c = (k * lo - mean(dz)) * scale``: ``x - hi`` formed first (one pass, one allocation), then
+    ``dz - k * t`` (one ``addcmul`` in place) and the scale and shift (:func:`_scale_shift_` in place);
+    16-bit inputs take these steps on float32 copies and round once at the end. In eval,
+    ``dx = dz * scale``: one native pass.
+    """
     if sums is not None and count is None:
         raise ValueError("batch_norm_backward_elemt: sums needs count")
     acc = _acc(x)
-    invstd = invstd.to(acc)
-    scale = invstd * weight.to(acc) if weight is not None else invstd
+    invstd = _to(invstd, acc)
+    scale = invstd * _to(weight, acc) if weight is not None else invstd
     hi, lo = _split_mean(mean, acc)
-    xc = (x.to(acc) - _per_channel(hi, x)) - _per_channel(lo, x)
-    dz = _grad_z(grad_out.to(acc), xc, scale, bias, x, activation, negative_slope, residual, output)
+    if activation is None:
+        dz = grad_out
+    else:
+        xc = _subtract(x, hi)
+        if lo is not None:
+            xc.sub_(_per_channel(lo, x))
+        dz = _grad_z(_to(grad_out, acc), xc, scale, bias, x, activation, negative_slope, residual, output)
     if out_grad_residual is not None:
         out_grad_residual.copy_(dz)
     if not input_grad:
         return None
-    if sums is not None:
-        inv_n = 1.0 / count.reshape(-1)[0].clamp_min(1.0).to(acc)
-        dz = dz - _per_channel(sums[0] * inv_n, x) - xc * _per_channel(sums[1] * inv_n * invstd, x)
-    out = torch.empty_like(x)
-    out.copy_(dz * _per_channel(scale, x))
-    return out
+    if sums is None:
+        if dz.dtype == x.dtype:  # native_batch_norm_backward in eval mode: dz * weight / sqrt(var + eps), one pass
+            zeros, ones = _constants_for(x.shape[1], acc, x.device)[:2]
+            dx = _aten.native_batch_norm_backward(dz, x, scale, zeros, ones, None, None, False, 0.0,
+                                                  [True, False, False])[0]  # fmt: skip
+            return dx if dx.stride() == x.stride() else torch.empty_like(x).copy_(dx)
+        return torch.mul(dz, _per_channel(scale, x), out=torch.empty_like(x))
+    mean_dz, k = (sums * count.clamp_min(1.0).reciprocal_().to(acc)).unbind()
+    k = k * invstd
+    c = (k * lo - mean_dz) * scale if lo is not None else -mean_dz * scale
+    if x.dtype == acc:
+        t = _subtract(x, hi)  # torch.sub: exact near hi, as the kernel's x - hi
+    else:  # 16-bit: in float32 copies (mixed-dtype TensorIterator ops are many times slower than two casts)
+        t = x.to(acc).sub_(_per_channel(hi, x))
+        dz = dz.to(acc)
+    torch.addcmul(dz, t, _per_channel(-k, x), out=t)  # dz - k * (x - hi), in place
+    _scale_shift_(t, scale, c)  # (.) * scale + c: native_batch_norm in eval mode over its own input
+    return t if t.dtype == x.dtype else t.to(x.dtype)

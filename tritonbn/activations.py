@@ -39,3 +39,11 @@ def activation_of_module(module: nn.Module) -> tuple[str, float] | None:
     if name is None:
         return None
     return name, float(getattr(module, "negative_slope", 0.01))
+
+
+def activation_module(activation: str | None, negative_slope: float = 0.01) -> nn.Module:
+    """The torch module computing ``activation`` (``nn.Identity`` for ``None``): a fused epilogue, unfused."""
+    if activation is None:
+        return nn.Identity()
+    (cls,) = [cls for cls, name in ACTIVATION_MODULES.items() if name == activation]
+    return cls(negative_slope) if cls is nn.LeakyReLU else cls()

@@ -69,7 +69,7 @@ def text_code(text: str) -> int:
 
 
 def check_signature(
-    group, where: str, fields: dict[str, float], local_error: BaseException | None = None, layer: str = ""
+    group, where: str, fields: dict[str, float], local_error: BaseException | None = None, name: str = ""
 ) -> None:
     """Compare a call's signature across the ranks of ``group``; raise the same error on every rank on a mismatch.
 
@@ -77,7 +77,7 @@ def check_signature(
     also in eval so that a rank in eval while others train is caught. The signature is what
     identifies the call, the same on every rank when the code is the same: the number of checks
     this rank has made on ``group`` before (a per-group call counter), ``where`` (the pass, such as
-    ``"forward"``), the ``layer`` identity (see :class:`tritonbn.SyncBatchNorm`), then ``fields``
+    ``"forward"``), the layer's identity ``name`` (see :class:`tritonbn.SyncBatchNorm`), then ``fields``
     (at most 6 numbers). Strings travel as CRC-32 codes, in one small all-reduce of fixed size, so
     that even different call sites pair up and compare instead of hanging.
 
@@ -92,7 +92,7 @@ def check_signature(
     key = getattr(group, "group_name", None) or str(id(group))
     call = _calls.get(key, 0)
     _calls[key] = call + 1
-    numbers = [call, text_code(where), text_code(layer), *map(float, fields.values())]
+    numbers = [call, text_code(where), text_code(name), *map(float, fields.values())]
     numbers += [0.0] * (3 + _FIELDS - len(numbers))
     values = torch.tensor([1.0 if local_error is not None else 0.0, *numbers], dtype=torch.float64)
     both = torch.cat([values, -values]).to(collective_device(group))
@@ -101,13 +101,13 @@ def check_signature(
     rejected = hi[0] > 0
     # What differs, in terms every rank states alike: fields are comparable only at the same call site.
     differ = [f"call ({int(lo[1]) + 1} vs {int(hi[1]) + 1})"] if hi[1] != lo[1] else []
-    differ += [name for i, name in ((2, "pass"), (3, "layer")) if hi[i] != lo[i]]
+    differ += [what for i, what in ((2, "pass"), (3, "layer")) if hi[i] != lo[i]]
     if hi[2] == lo[2]:
-        differ += [f"{name} ({_show(name, lo[i])} vs {_show(name, hi[i])})" for i, name in enumerate(fields, start=4)
+        differ += [f"{what} ({_show(what, lo[i])} vs {_show(what, hi[i])})" for i, what in enumerate(fields, start=4)
                    if hi[i] != lo[i]]  # fmt: skip
     if not differ and not rejected:
         return
-    mine = _describe(where, layer, fields, local_error)
+    mine = _describe(where, name, fields, local_error)
     ranks = _gather_texts(group, mine)
     if local_error is not None:
         raise local_error
@@ -126,8 +126,8 @@ def check_signature(
     )
 
 
-def _describe(where: str, layer: str, fields: dict[str, float], local_error: BaseException | None) -> str:
-    text = f"{where} of layer {layer!r}" if layer else where
+def _describe(where: str, name: str, fields: dict[str, float], local_error: BaseException | None) -> str:
+    text = f"{where} of layer {name!r}" if name else where
     text += " (" + ", ".join(f"{name}={_show(name, float(v))}" for name, v in fields.items()) + ")"
     if local_error is not None:
         first = str(local_error).strip().splitlines()[0] if str(local_error).strip() else ""

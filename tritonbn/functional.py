@@ -3,6 +3,7 @@
 A call is checked (:mod:`tritonbn._checks`), then runs one of three ways, each over the same two passes
 (:mod:`tritonbn._passes`, where the data path and the gradient derivation are written out):
 
+* under an exporting tracer (``torch.export``, ONNX, ``jit.trace``): torch's own ops (:mod:`tritonbn._export`);
 * eager, with autograd: :class:`tritonbn._eager.EagerBatchNormFunction`, straight over the launchers;
 * compiled, traced, or under a transform or dispatch mode: the custom ops (:mod:`tritonbn._custom_ops`);
 * without autograd (inference, or nothing needs a gradient): :func:`tritonbn._passes.forward_pass` alone.
@@ -16,6 +17,7 @@ from tritonbn._checks import ACCUMULATE_EAGER_ONLY, check_call, signature
 from tritonbn._compat import forward_ad_active, functorch_transforms_active
 from tritonbn._custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD, group_name
 from tritonbn._eager import apply_eager, is_eager, params_need_grad
+from tritonbn._export import exporter, lowered
 from tritonbn._passes import Layer, forward_pass
 from tritonbn.backend import ops_for
 from tritonbn.distributed import check_signature, debug_enabled, resolve_group
@@ -82,10 +84,14 @@ def run(
     except (ValueError, TypeError) as error:
         if checking:  # every rank stops here, instead of the others waiting in the next collective
             check_signature(debug_group, "forward", signature(input, training, input_grad), local_error=error,
-                            layer=layer.name)  # fmt: skip
+                            name=layer.name)  # fmt: skip
         raise
     if checking:
-        check_signature(debug_group, "forward", signature(input, training, input_grad), layer=layer.name)
+        check_signature(debug_group, "forward", signature(input, training, input_grad), name=layer.name)
+    how = exporter(compiling)  # THE export hook: torch.export, ONNX, jit.trace record torch's own ops
+    if how is not None:
+        return lowered(how, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
+                       stats_sink)  # fmt: skip
     if compiling or not is_eager(input):
         if stats_sink is not None:
             raise RuntimeError(ACCUMULATE_EAGER_ONLY)

@@ -46,16 +46,23 @@ class _BatchNormLeafTracer(fx.Tracer):
         return isinstance(m, _BatchNorm) or super().is_leaf_module(m, module_qualified_name)
 
 
-def _trace(model: nn.Module) -> fx.GraphModule:
+def trace_batchnorm_leaves(model: nn.Module, caller: str, instead: str) -> fx.GraphModule:
+    """``model`` traced by ``torch.fx`` with every BatchNorm kept whole; a ``ValueError`` naming ``caller`` and
+    what to do ``instead`` when fx cannot trace it."""
     tracer = _BatchNormLeafTracer()
     try:
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - fx raises many kinds of errors on untraceable code
         raise ValueError(
-            f"fuse_batchnorm_activations: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {e}); "
-            "apply it to the model's traceable submodules instead"
+            f"{caller}: torch.fx cannot trace {type(model).__name__} ({type(e).__name__}: {e}); {instead}"
         ) from e
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    gm = trace_batchnorm_leaves(
+        model, "fuse_batchnorm_activations", "apply it to the model's traceable submodules instead"
+    )
     baked = [str(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in _BATCH_NORM_FUNCTIONS]
     if baked:
         raise ValueError(

@@ -9,6 +9,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritonbn._checks import check_inputs, check_momentum
+from tritonbn._export import script_error
 from tritonbn._passes import Layer
 from tritonbn.activations import check_activation
 from tritonbn.distributed import resolve_group, world
@@ -118,6 +119,9 @@ class SyncBatchNorm(_BatchNorm):
         if traced is not None:
             return traced
         return self._normalize(input, residual)
+
+    def __prepare_scriptable__(self):  # torch.jit.script's hook: a clear error (tritonbn/_export.py)
+        raise script_error(self)
 
     def _normalize(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The batch norm with its fused epilogue (what subclasses and recalibration build on)."""

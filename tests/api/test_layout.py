@@ -19,19 +19,12 @@ import tritonbn
 PACKAGE = pathlib.Path(tritonbn.__file__).parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
-PUBLIC = [
-    "SyncBatchNorm",
-    "convert_sync_batchnorm",
-    "revert_sync_batchnorm",
-    "syncbn_group",
-    "sync_batch_norm",
-    "fuse_batchnorm_activations",
-    "sync_running_stats",
-    "recalibrate_batchnorm",
-    "accumulate_stats",
-    "diagnose",
-    "__version__",
-]
+# The public names, pinned: a name dropped or renamed breaks users.
+PUBLIC = (
+    "SyncBatchNorm convert_sync_batchnorm revert_sync_batchnorm syncbn_group sync_batch_norm"
+    " fuse_batchnorm_activations fold_batchnorm sync_running_stats recalibrate_batchnorm accumulate_stats"
+    " diagnose __version__"
+).split()
 KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
            "batch_norm_backward_elemt"]  # fmt: skip
 IMPORT_PATHS = [
@@ -48,6 +41,7 @@ IMPORT_PATHS = [
     ("tritonbn.convert", "convert_sync_batchnorm"),
     ("tritonbn.running_stats", "accumulate_stats"),
     ("tritonbn.backend", "ops_for"),
+    ("tritonbn.export", "fold_batchnorm"),
 ]
 
 

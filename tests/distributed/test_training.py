@@ -5,10 +5,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist import load_ranks, save_rank, spawn
-from torch import nn
 
 import tritonbn
 from tritonbn.cli.demo import ddp_without_buffer_sync
+from tritonbn.cli.demo import make_model as demo_model
 
 pytestmark = pytest.mark.distributed
 
@@ -17,21 +17,7 @@ STEPS = 3
 
 
 def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(8, 6),
-        nn.BatchNorm1d(6),
-        nn.ReLU(),
-        nn.Linear(6, 3),
-    )
+    return demo_model((8, 8, 6), classes=3)
 
 
 def batch(step):

@@ -23,29 +23,18 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("gpu_checks: unset TRITON_INTERPRET: these checks need the compiled kernels")
 
 import tritonbn  # noqa: E402
+from tritonbn.cli.demo import make_model as demo_model  # noqa: E402
 
 
 def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.BatchNorm2d(16, momentum=None),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, stride=2, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 8),
-        nn.BatchNorm1d(8),
-        nn.Linear(8, 4),
-    ).cuda()
+    model = demo_model((16, 16, 8)).cuda()
+    model[1].momentum = None  # a cumulative average too: num_batches_tracked read on the device
+    return model
 
 
 def batches(n):

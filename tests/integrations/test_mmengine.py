@@ -70,6 +70,7 @@ def test_missing_mmengine_names_tritonbn(monkeypatch):
     monkeypatch.setitem(sys.modules, "mmengine", None)  # import mmengine now raises ImportError
     monkeypatch.setitem(sys.modules, "mmengine.registry", None)
     monkeypatch.delitem(sys.modules, "tritonbn.mmengine", raising=False)
+    monkeypatch.delitem(sys.modules, "tritonbn.integrations.mmengine", raising=False)  # what the kept path imports
     with pytest.raises(ImportError, match="tritonbn.mmengine needs mmengine: pip install mmengine"):
         importlib.import_module("tritonbn.mmengine")
 

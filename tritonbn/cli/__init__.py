@@ -1,4 +1,4 @@
-"""The ``tritonbn`` command: ``tritonbn demo``, ``tritonbn bench --model M`` and ``tritonbn doctor CKPT [CKPT ...]``."""
+"""The ``tritonbn`` command (also ``python -m tritonbn``): ``demo``, ``bench --model M`` and ``doctor CKPT ...``."""
 
 from __future__ import annotations
 

@@ -366,7 +366,7 @@ def _run_rank(rank: int, world: int, args) -> dict | None:
 
 
 def main(args) -> int:
-    """Entry point of ``tritonbn bench`` (arguments parsed by :mod:`tritonbn.__main__`)."""
+    """Entry point of ``tritonbn bench`` (arguments parsed by :mod:`tritonbn.cli`)."""
     if args.input is not None:
         args.input = parse_input(args.input)
     build_model(args.model)  # fail early, in this process, on a bad --model

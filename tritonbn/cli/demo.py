@@ -30,21 +30,24 @@ PER_RANK = 8
 LR = 0.05
 
 
-def make_model() -> nn.Module:
+def make_model(widths: tuple[int, int, int] = (8, 16, 10), classes: int = 4) -> nn.Module:
+    """The demo's small CNN, seeded: two conv+BatchNorm2d+ReLU stages (the second at stride 2), pooling, and a
+    linear+BatchNorm1d+ReLU head of ``widths[2]`` features before ``classes`` outputs."""
     torch.manual_seed(0)
+    c1, c2, hidden = widths
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
+        nn.Conv2d(3, c1, 3, padding=1),
+        nn.BatchNorm2d(c1),
         nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2, padding=1),
-        nn.BatchNorm2d(16),
+        nn.Conv2d(c1, c2, 3, stride=2, padding=1),
+        nn.BatchNorm2d(c2),
         nn.ReLU(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
-        nn.Linear(16, 10),
-        nn.BatchNorm1d(10),
+        nn.Linear(c2, hidden),
+        nn.BatchNorm1d(hidden),
         nn.ReLU(),
-        nn.Linear(10, 4),
+        nn.Linear(hidden, classes),
     )
 
 

@@ -1,0 +1,68 @@
+"""benchmarks/cpu_train_step.py and benchmarks/cpu_nets.py: the networks convert and train, the script reports
+both columns and enforces --max-ratio. (Speed itself is measured by the script, never asserted here.)"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tritonbn
+
+ROOT = pathlib.Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import cpu_nets  # noqa: E402
+
+BN_LAYERS = {"resnet": 20, "mobilenet": 34, "efficientnet": 49}
+
+
+@pytest.mark.parametrize("name", cpu_nets.NETS)
+def test_nets_convert_and_train(name):
+    torch.manual_seed(0)
+    model = cpu_nets.build(name, small=True)
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == BN_LAYERS[name]
+    converted = tritonbn.convert_sync_batchnorm(model)
+    assert sum(isinstance(m, tritonbn.SyncBatchNorm) for m in converted.modules()) == BN_LAYERS[name]
+    assert not any(type(m) is torch.nn.BatchNorm2d for m in converted.modules())
+    side = cpu_nets.input_size(name, small=True)
+    x = torch.randn(2, 3, side, side)
+    loss = torch.nn.functional.cross_entropy(converted(x), torch.tensor([1, 2]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in converted.parameters())
+
+
+def _run(tmp_path, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script runs the torch backend
+    out = tmp_path / "cpu.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cpu_train_step.py"), "--small", "--nets", "mobilenet",
+           "--dtypes", "fp32", "--reps", "1", "--warmup", "0", "--json", str(out), *extra]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return result, out
+
+
+@pytest.mark.distributed
+def test_script_reports_both_columns(tmp_path):
+    result, out = _run(tmp_path, "--layouts", "channels_last")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert (row["net"], row["dtype"], row["layout"]) == ("mobilenet", "fp32", "channels_last")
+    for key in ("plain_ms", "tritonbn_ms", "ddp_plain_ms", "ddp_tritonbn_ms"):
+        assert row[key] > 0, key
+    assert row["ratio"] == pytest.approx(row["tritonbn_ms"] / row["plain_ms"])
+    assert row["ddp_ratio"] == pytest.approx(row["ddp_tritonbn_ms"] / row["ddp_plain_ms"])
+    assert report["worst_ratio"] == row["ratio"]
+    assert report["meta"]["tritonbn"] == str(ROOT / "tritonbn")
+    assert "| mobilenet | fp32 | channels_last |" in result.stdout
+
+
+def test_script_fails_above_max_ratio(tmp_path):
+    result, out = _run(tmp_path, "--layouts", "contiguous", "--no-ddp", "--max-ratio", "0.01")
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "exceeds --max-ratio 0.01" in result.stderr
+    assert "ddp_ratio" not in json.loads(out.read_text())["results"][0]

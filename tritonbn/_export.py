@@ -1,0 +1,116 @@
+"""The export path: under an exporting tracer, a call is recorded as torch's own ops (see :mod:`tritonbn.export`).
+
+:func:`tritonbn.functional.run` asks :func:`exporter` which tracer, if any, is recording the call (the
+one hook, marked there), and then hands it to :func:`lowered`: torch's ``batch_norm``, then the fused
+epilogue as ``add`` and ``relu`` / ``leaky_relu`` / ``silu``. The tracers are told apart so:
+
+* ``torch.export`` (strict and non-strict, and so ``torch.onnx.export(dynamo=True)`` and
+  AOTInductor, which go through it): ``torch.compiler.is_exporting()``, the public flag that is
+  true under export and false under ``torch.compile``.
+* ``torch.jit.trace`` and ``torch.onnx.export(dynamo=False)``, which traces with it:
+  ``torch.jit.is_tracing()``; ``torch.onnx.is_in_onnx_export()`` only names the exporter in messages.
+* ``torch.compile`` (``torch.compiler.is_compiling()`` without ``is_exporting()``) keeps the
+  custom ops: its speed comes from them. So do ``make_fx`` and other dispatch-mode tracers
+  outside export: they are the machinery AOTAutograd builds on (``aot_module`` included), and
+  there the custom ops carry the synchronization.
+
+In eval the lowering is exact: the running statistics are constants. A training-mode export
+(as QAT flows do) lowers to ``batch_norm`` over the local batch with a warning that the graph does
+not synchronize, when the layer would not communicate anyway (no process group, or world size 1);
+a layer that would synchronize raises an error naming the fix (``model.eval()``, or
+``tritonbn.revert_sync_batchnorm``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tritonbn._checks import ACCUMULATE_EAGER_ONLY
+
+# Under torch.jit.trace (and the ONNX exporter that uses it) sizes are traced values, so the argument
+# checks warn that their comparisons become constants. They are meant to: they check a call, and a
+# wrong one raises while tracing.
+warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"tritonbn\.(_checks|functional)")
+
+
+def exporter(compiling: bool) -> str | None:
+    """The exporting tracer this call runs under (a name for messages), or ``None``: run as usual.
+
+    ``compiling`` is ``torch.compiler.is_compiling()``, which the caller has read already (true
+    under ``torch.compile`` and ``torch.export`` alike). Cheap on the eager path: one more flag read.
+    """
+    if compiling:
+        # Public since torch 2.6 (documented for 2.7 and later). Checked on 2.13: true in strict and non-strict
+        # export, false under torch.compile.
+        return "torch.export" if torch.compiler.is_exporting() else None
+    if torch.jit.is_tracing():  # public (torch 2.8, 2.13); the TorchScript ONNX exporter traces with it
+        return "torch.onnx.export" if torch.onnx.is_in_onnx_export() else "torch.jit.trace"
+    return None
+
+
+def lowered(how, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, stats_sink):
+    """One call of ``layer`` (a :class:`tritonbn._passes.Layer`) in torch's own ops, for the tracer ``how``.
+
+    The caller has checked the arguments. See the module docstring for what training mode does.
+    """
+    if stats_sink is not None:
+        raise RuntimeError(f"{ACCUMULATE_EAGER_ONLY}; it cannot run under {how}")
+    if layer.training:
+        if layer.group is not None:
+            raise RuntimeError(
+                f"tritonbn: cannot export a training-mode SyncBatchNorm ({layer.name or 'functional call'}) under "
+                f"{how}: it synchronizes its statistics over a process group of {layer.group.size()} ranks, and an "
+                "exported graph cannot. Call model.eval() before exporting (inference uses the running statistics), "
+                "or tritonbn.revert_sync_batchnorm(model) to export local BatchNorm"
+            )
+        if layer.momentum is None and running_mean is not None:
+            raise RuntimeError(
+                f"tritonbn: cannot export a training-mode SyncBatchNorm with momentum=None (cumulative average) "
+                f"under {how}. Call model.eval() before exporting, or set a float momentum"
+            )
+        warnings.warn(  # (strict torch.export drops Python warnings while dynamo traces: then none is shown)
+            f"tritonbn: a SyncBatchNorm that normalizes with batch statistics (training mode, or eval without "
+            f"running statistics) becomes torch's batch_norm over each process's local batch when exported by {how}: "
+            "the exported graph does not synchronize statistics across ranks",
+            UserWarning,
+            stacklevel=2,
+        )
+        if num_batches_tracked is not None and running_mean is not None:
+            num_batches_tracked.add_(1)
+    momentum = layer.momentum if layer.training and layer.momentum is not None else 0.0
+    out_dtype = input.dtype
+    half_stats = layer.training and running_mean is not None and running_mean.dtype != torch.float32
+    if input.dtype in (torch.float16, torch.bfloat16) and not half_stats:
+        # As the kernels do: compute in fp32 and round once (fp32 running statistics are updated in place).
+        input, weight, bias, residual = (None if t is None else t.float() for t in (input, weight, bias, residual))
+        if not layer.training and running_mean is not None:
+            running_mean, running_var = running_mean.float(), running_var.float()
+    y = F.batch_norm(input, running_mean, running_var, weight, bias, layer.training, momentum, layer.eps)
+    if residual is not None:
+        y = y + residual
+    if layer.activation == "relu":
+        y = F.relu(y)
+    elif layer.activation == "leaky_relu":
+        y = F.leaky_relu(y, layer.negative_slope)
+    elif layer.activation == "silu":
+        y = F.silu(y)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def script_error(module: nn.Module) -> RuntimeError:
+    """The error ``torch.jit.script`` gets for a tritonbn module.
+
+    ``SyncBatchNorm.__prepare_scriptable__`` raises it: an undocumented TorchScript hook that
+    ``torch.jit.script`` calls on every module before compiling it (torch/jit/_script.py, torch 2.8 and
+    2.13; torchvision uses it). A working scripted layer is not offered: the hook's result replaces the
+    module inside the user's model, which would then no longer synchronize in training.
+    """
+    return RuntimeError(
+        f"tritonbn: torch.jit.script cannot compile {type(module).__name__} (TorchScript is deprecated). "
+        "Use torch.jit.trace, torch.export or torch.onnx.export on the model in eval mode (they record torch's own "
+        "batch_norm), or script tritonbn.fold_batchnorm(model.eval()) or tritonbn.revert_sync_batchnorm(model)"
+    )
