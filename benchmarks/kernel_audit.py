@@ -1,5 +1,10 @@
 """Kernel audit: the sm_90 code of every kernel launch tritonbn makes for ResNet-50, read without a GPU.
 
+``--arch`` audits another target instead: 80 (A100), 89 (L40S), 100 (B200), read as below, or gfx90a (MI250X),
+gfx942 (MI300X), whose AMDGCN assembly is read by ``benchmarks/_amdgcn.py`` (VGPRs, spills, occupancy, the
+main loop's widest loads and stores; no round trips). Launches are planned as on that GPU: its SM or CU
+count (:data:`SMS`, or ``--sm-count``) and its warp size (wavefronts of 64 on AMD).
+
     python benchmarks/kernel_audit.py --out DIR [--quick] [--results benchmarks/RESULTS.md]
     python benchmarks/kernel_audit.py --out DIR --model          # also the time model: DIR/model.json
     python benchmarks/kernel_audit.py --self-check     # the round-trip counter on two toy kernels
@@ -101,6 +106,10 @@ LAYOUTS = ("contiguous", "channels_last")
 QUICK_SHAPES = [(32, 256, 14, 14), (32, 2048, 7, 7)]  # 14^2 and 7^2: the NCHW alignment cases
 MAX_REGISTERS = 128
 SM_COUNT = 132  # launches are planned as on a GPU with this many SMs (--sm-count)
+WARP_SIZE = 32  # and this warp size (64: AMD)
+# SMs (CUs) of the GPU each target is planned as (vendors' specifications): A100 SXM, L40S, H100/H200 SXM,
+# B200, MI250X (one of its two dies), MI300X.
+SMS = {"80": 108, "89": 142, "90": 132, "100": 148, "gfx90a": 110, "gfx942": 304}
 MERGE_FN = "merge_tree"  # tritonbn.kernels._common: the merge of the per-program partials after the main loop
 GLOBAL_LOADS = ("LDG", "LD", "LDGSTS", "UTMALDG")
 GLOBAL_STORES = ("STG", "ST")
@@ -214,7 +223,11 @@ def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget, com
 
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     out = {}
-    with triton_backend_on_cpu(), planned_as("cuda", SM_COUNT), captured_launches(target, compiled) as launches:
+    with (
+        triton_backend_on_cpu(),
+        planned_as("cuda", SM_COUNT, WARP_SIZE),
+        captured_launches(target, compiled) as launches,
+    ):
         bn = tritonbn.SyncBatchNorm(shape[1])  # fp32 parameters, as under autocast
         x = torch.empty(shape, dtype=dtype, memory_format=memory_format).requires_grad_()
         y = bn(x)
@@ -503,6 +516,15 @@ def read_compiled(launch: Launch, target: GPUTarget, cache: dict) -> dict:
 
 def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, target) -> dict:
     """Compile one specialization for ``target`` and read registers, spills, shared memory and the main loop."""
+    if target.backend == "hip":
+        import _amdgcn
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+        named = {fn.arg_names[p[0]]: v for p, v in constexprs.items() if len(p) == 1}
+        num_warps = int(options["num_warps"])
+        return _amdgcn.read(kernel, num_warps, tile_elements(named) / (num_warps * target.warp_size))
     knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
     try:
@@ -627,12 +649,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "| ld bits | st bits | round trips | SASS/elem | tail KB | tail iters | tail trips |"
     )
     lines = [
-        "## Kernel audit (sm_90, compiled without a GPU)",
+        f"## Kernel audit ({meta['target']}, compiled without a GPU)",
         "",
         f"Generated {meta['date']} by `python benchmarks/kernel_audit.py{' --quick' if meta['quick'] else ''}`, "
         f"triton {meta['triton']}, torch {meta['torch']}, target {meta['target']}; "
         f"{meta['rows']} launches, {meta['compilations']} distinct compilations. Launches come from the module "
-        "path planned as on a 132-SM GPU; the main-loop columns read the SASS (see the script's docstring). "
+        f"path planned as on a {meta.get('sm_count', 132)}-SM GPU; the main-loop columns read the SASS "
+        "(AMDGCN on AMD; see the script's docstring). "
         "`-`: the kernel has no loop.",
         "",
         *summary(rows),
@@ -673,6 +696,12 @@ def summary(rows: list[dict]) -> list[str]:
         out.append(f"- **Spills**: {len(spills)} launches spill ({text}).")
     else:
         out.append("- **Spills**: none.")
+    amd = [r for r in rows if r.get("llvm_waves_per_simd") is not None]
+    if amd:
+        off = [r for r in amd if r["model_waves_per_simd"] != r["llvm_waves_per_simd"]]
+        out.append(
+            f"- **Occupancy**: the CDNA model's waves per SIMD differ from LLVM's in {len(off)} of {len(amd)} launches."
+        )
     launches = {}
     for r in rows:
         launches.setdefault(r["mode"], set()).add(int(r["launch"].split("/")[1]))
@@ -681,11 +710,12 @@ def summary(rows: list[dict]) -> list[str]:
     tails = [r for r in rows if r["tail_bytes"] is not None]
     if tails:
         worst_tail = max(tails, key=lambda r: r["tail_bytes"])
+        tail_trips = [r["tail_round_trips"] for r in tails if r["tail_round_trips"] is not None]  # not read on AMD
         out.append(
             f"- **Longest merge tail**: {worst_tail['tail_bytes'] / 1024:.1f} KB in {worst_tail['tail_iterations']} "
             f"iterations over {worst_tail['tail_levels']} levels ({worst_tail['kernel']}, {worst_tail['layout']} "
             f"{worst_tail['dtype']} {worst_tail['shape']}, grid {'x'.join(map(str, worst_tail['grid']))}); "
-            f"merge-loop round trips (max): {max((r['tail_round_trips'] or 0) for r in tails)}."
+            f"merge-loop round trips (max): {_fmt(max(tail_trips, default=None))}."
         )
     out += ["", "| kernel | layout | dtype | regs (max) | spill B (max) | warps/SM (min) | ld bits (min-max) "
                 "| st bits (min-max) | round trips (max) | SASS/elem (min-max) | tail KB (max) |",
@@ -799,6 +829,29 @@ ASSUMPTIONS = {
         "s: per launch, the gap between back-to-back kernels on a stream plus the ramp and drain of the grid; assumed",
     ),
 }
+_SAME = {k: ASSUMPTIONS[k] for k in ("dram_latency_s", "merge_bw_per_sm", "merge_level_s", "launch_fixed_s")}
+# The A100 and MI300X rows: the same kinds of figures, from the vendors' specifications, and the same assumed
+# latencies and merge costs as the H200's (not measured or verified on either GPU).
+A100 = {
+    "hbm_copy_bw": (1.8e12, "B/s: ~90% of the A100 SXM 80GB's 2.039 TB/s HBM2e peak (NVIDIA A100 datasheet); assumed"),
+    "sms": (108, "SMs of an A100 (NVIDIA A100 Tensor Core GPU architecture whitepaper)"),
+    "clock_hz": (1.41e9, "Hz: A100 SXM boost clock (NVIDIA specification)"),
+    "issue_per_sm_clock": (4, "warp instructions issued per SM per clock: 4 schedulers (NVIDIA Ampere whitepaper)"),
+    **_SAME,
+}
+MI300X = {
+    "hbm_copy_bw": (4.8e12, "B/s: ~90% of the MI300X's 5.3 TB/s HBM3 peak (AMD Instinct MI300X datasheet); assumed"),
+    "sms": (304, "compute units of an MI300X (AMD specification)"),
+    "clock_hz": (2.1e9, "Hz: MI300X peak engine clock (AMD specification)"),
+    "issue_per_sm_clock": (
+        1,
+        "wavefront instructions per CU per clock: 4 SIMDs, each taking 4 clocks for a vector instruction of a "
+        "wavefront of 64 (AMD CDNA3 ISA guide); assumed",
+    ),
+    **_SAME,
+}
+# The model's device per audited target (--model): the H200 row for sm_90, A100 for sm_80, MI300X for gfx942.
+MODEL_DEVICES = {"90": ("H200", ASSUMPTIONS), "80": ("A100", A100), "gfx942": ("MI300X", MI300X)}
 # Activation-sized tensors each kernel reads and writes (the plain module: no residual, no activation).
 KERNEL_TENSORS = {
     "_batch_norm_stats_kernel": (1, 0),
@@ -842,14 +895,14 @@ def model_launch(r: dict) -> dict:
     resident = sms * max(1, r["max_warps_per_sm"] // r["num_warps"])
     waves = [resident] * (programs // resident) + ([programs % resident] if programs % resident else [])
     load_bytes = (r["loop_global_loads"] or 0) * (r["load_vector_bits"] or 32) / 8
-    program_in_flight = r["num_warps"] * 32 * load_bytes
+    program_in_flight = r["num_warps"] * WARP_SIZE * load_bytes
     issue_rate = _a("issue_per_sm_clock") * _a("clock_hz")  # warp instructions per second on one SM
     per_program = numel / programs  # elements
     hbm = little = issue = main = 0.0
     for n in waves:
         h = n * per_program * (reads + writes) * itemsize / _a("hbm_copy_bw")
         lt = per_program * reads * itemsize / program_in_flight * _a("dram_latency_s") if program_in_flight else 0.0
-        iss = (r["sass_per_element"] or 0) * per_program / 32 * -(-n // sms) / issue_rate
+        iss = (r["sass_per_element"] or 0) * per_program / WARP_SIZE * -(-n // sms) / issue_rate
         hbm, little, issue, main = hbm + h, little + lt, issue + iss, main + max(h, lt, iss)
     tail_bytes_s = (r.get("tail_bytes") or 0) / _a("merge_bw_per_sm")
     tail = tail_bytes_s + (r.get("tail_levels") or 0) * _a("merge_level_s")
@@ -904,7 +957,8 @@ def model(rows: list[dict], layer_counts: dict[str, int]) -> dict:
 
 def model_markdown(m: dict, quick: bool) -> str:
     lines = [
-        "### Time model of the BatchNorms of a ResNet-50 training step (a model, not a measurement)",
+        f"### Time model of the BatchNorms of a ResNet-50 training step on an {m.get('device', 'H200')} "
+        "(a model, not a measurement)",
         "",
         f"`python benchmarks/kernel_audit.py --model{' --quick' if quick else ''}`: batch 32, forward+backward of "
         "every BatchNorm layer (each shape weighted by its count), against the HBM floor (8 activation-sized "
@@ -935,9 +989,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, bf16 and fp32 only")
     parser.add_argument("--results", help="also write the table into this RESULTS.md, between the audit markers")
     parser.add_argument("--self-check", action="store_true", help="run the round-trip counter on toy kernels")
-    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
+    parser.add_argument("--arch", default="90", choices=sorted(SMS), help="the target (default 90: H100/H200)")
     parser.add_argument("--model", action="store_true", help="also model each launch and the training step: model.json")
-    parser.add_argument("--sm-count", type=int, default=132, help="plan launches as on a GPU with this many SMs")
+    parser.add_argument("--sm-count", type=int, help="plan launches as on a GPU with this many SMs (default: SMS)")
     parser.add_argument(
         "--flat-merge",
         action="store_true",
@@ -949,7 +1003,9 @@ def main(argv=None) -> int:
     if why:
         print(f"kernel_audit: cannot run: {why}", file=sys.stderr)
         return 2
-    target = GPUTarget("cuda", args.arch, 32)
+    hip = args.arch.startswith("gfx")
+    target = GPUTarget("hip", args.arch, 64) if hip else GPUTarget("cuda", int(args.arch), 32)
+    name = args.arch if hip else f"sm_{args.arch}"
     if args.self_check:
         print(json.dumps(self_check(target), indent=1))
         return 0
@@ -962,20 +1018,26 @@ def main(argv=None) -> int:
     if args.case:
         shape, dtype, layout = args.case.split(",")
         shapes, dtypes, layouts = [tuple(map(int, shape.split("x")))], (dtype,), (layout,)
-    global SM_COUNT
-    SM_COUNT = args.sm_count
+    global SM_COUNT, WARP_SIZE
+    SM_COUNT, WARP_SIZE = args.sm_count or SMS[args.arch], target.warp_size
+    if args.model:
+        if args.arch not in MODEL_DEVICES:
+            parser.error(f"--model: no device row for {name} (rows: {', '.join(sorted(MODEL_DEVICES))})")
+        global ASSUMPTIONS
+        device, ASSUMPTIONS = MODEL_DEVICES[args.arch]
     if args.flat_merge:
         from tritonbn.kernels import _plan
 
         _plan._FLAT_MERGE = 1 << 30
     t0 = time.time()
-    print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {layouts} x {MODES} for sm_{args.arch}")
+    print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {layouts} x {MODES} for {name}, planned on {SM_COUNT} SMs")
     rows, compilations = audit(shapes, dtypes, layouts, target)
     meta = {
         "date": datetime.date.today().isoformat(),
         "triton": triton.__version__,
         "torch": torch.__version__,
-        "target": f"sm_{args.arch}",
+        "target": name,
+        "sm_count": SM_COUNT,
         "quick": args.quick,
         "rows": len(rows),
         "compilations": compilations,
@@ -987,6 +1049,7 @@ def main(argv=None) -> int:
         counts = {"x".join(map(str, sh)): n for sh, n in distinct_bn_shapes(32)}
         counts.update({"x".join(map(str, sh)): counts.get("x".join(map(str, sh)), 1) for sh in shapes})
         m = model(rows, counts)
+        m["device"] = device
         m["meta"] = meta
         with open(os.path.join(args.out, "model.json"), "w") as f:
             json.dump(m, f, indent=1)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check, for one CUDA GPU, within about 8 minutes (sized for an H200 with torch 2.11 and
-# Triton 3.6 and no package registry). Stages run in order of value; each writes its results to
-# OUTDIR before the next starts, and a stage that fails is recorded in OUTDIR/stages.txt while the
-# next one still runs:
+# The GPU check, for one GPU (A100, H100, H200, or a ROCm GPU such as an MI300X), within about 8 minutes
+# (sized for an H200 with torch 2.11 and Triton 3.6 and no package registry). It records the device (its
+# target, SM/CU count, warp size, L2) and the torch, Triton and NumPy versions in OUTDIR/env.json. Stages
+# run in order of value; each writes its results to OUTDIR before the next starts, and a stage that fails
+# is recorded in OUTDIR/stages.txt while the next one still runs:
 #   1. correctness with the compiled kernels (<= 255 s): tests/helpers/gpu_checks.py (a training step
 #      captured in a CUDA graph and replayed against eager, an empty batch in a graph, forward and
 #      backward under torch.cuda.set_sync_debug_mode("error")), then the oracle tests of
@@ -53,10 +54,23 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, record its st
 }
 has() { "$python" -c "import $1" 2>/dev/null; }
 
-"$python" - <<'PY' 2>&1 | tee "$out/env.txt"
-import torch, triton
-assert torch.cuda.is_available(), "no CUDA device"
-print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+# The device and the versions (CUDA or ROCm: torch's CUDA API is HIP there), into env.txt and env.json.
+"$python" - "$out/env.json" <<'PY' 2>&1 | tee "$out/env.txt"
+import json, sys
+import numpy, torch, triton
+assert torch.cuda.is_available(), "no CUDA or ROCm device"
+p = torch.cuda.get_device_properties(0)
+hip = torch.version.hip
+env = {"device": p.name, "platform": f"ROCm {hip}" if hip else f"CUDA {torch.version.cuda}",
+       "target": getattr(p, "gcnArchName", "").split(":")[0] if hip else "sm_%d%d" % (p.major, p.minor),
+       "sms": p.multi_processor_count, "warp_size": getattr(p, "warp_size", 32),
+       "l2_bytes": getattr(p, "L2_cache_size", None), "memory_gib": round(p.total_memory / 2**30, 1),
+       "torch": torch.__version__, "triton": triton.__version__, "numpy": numpy.__version__}
+print(", ".join(f"{k} {v}" for k, v in env.items()))
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+from tritonbn import _compat
+problem = _compat.kernels_version_problem()
+assert problem is None, problem
 PY
 
 # 1. Correctness with the compiled kernels.

@@ -1,8 +1,8 @@
 """Every private torch and Triton API that tritonbn uses, in one place.
 
 An upgrade of torch or Triton is checked here first. Each entry says what it is for, the versions
-it was read in (torch 2.13 and Triton 3.9 unless said otherwise; the Triton launch layout also in
-3.6), and the public fallback where one exists. Nothing else in the package reads a private
+it was read in (torch 2.13 and Triton 3.9 unless said otherwise; the Triton launch layout in 3.4,
+3.5, 3.6 and 3.9), and the public fallback where one exists. Nothing else in the package reads a private
 attribute of torch or Triton. Importing this module imports torch only: the Triton entries import
 Triton when called, so ``import tritonbn`` works without it.
 """
@@ -80,11 +80,86 @@ def current_raw_stream(index: int) -> int:
 
 # --- Triton -----------------------------------------------------------------------------------------
 
+# The oldest torch and Triton tritonbn is tested with (the oldest pair CI runs, scripts/oldest.sh). Below
+# them: Triton 3.3 and older have no ``triton.knobs`` and crash compiling ``tl.gather`` for sm_90
+# (``GatherLoweringHelper`` assertion, 3.3), Triton 3.1's interpreter gives wrong numbers, and torch 2.7
+# and older pin those Tritons. ``import tritonbn`` works below the floor; the first call that needs the
+# kernels raises :func:`kernels_version_problem`'s message.
+TORCH_FLOOR = (2, 8)
+TRITON_FLOOR = (3, 4)
+
+
+def version_tuple(text: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string: ``"2.8.0+cu128"`` -> ``(2, 8)``, ``"3.10.0rc1"`` -> ``(3, 10)``."""
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def kernels_version_problem(torch_version: str | None = None, triton_version: str | None = None) -> str | None:
+    """Why the Triton kernels cannot run with these versions (the installed ones by default), or ``None``.
+
+    The message names tritonbn, the versions found and the versions needed.
+    """
+    if torch_version is None:
+        torch_version = torch.__version__
+    if triton_version is None:
+        import triton
+
+        triton_version = triton.__version__
+    if version_tuple(torch_version) >= TORCH_FLOOR and version_tuple(triton_version) >= TRITON_FLOOR:
+        return None
+    need = f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} with triton>={TRITON_FLOOR[0]}.{TRITON_FLOOR[1]}"
+    return (
+        f"tritonbn's Triton kernels need {need}; found torch {torch_version} with triton {triton_version}. "
+        "Upgrade torch (it brings its Triton), or use the PyTorch backend: TRITONBN_BACKEND=torch"
+    )
+
+
+# Compile options every launch passes, whatever the environment says. ``enable_fp_fusion``: the kernels'
+# numerics were audited with FMA fusion on, Triton's default up to 3.9 (``TRITON_DEFAULT_FP_FUSION``,
+# read when the option is not given; Triton 3.9 warns that 3.10 turns its default off). Passing it
+# keeps fusion on in 3.4 to 3.10+ and silences 3.9's warning. The interpreter ignores it.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
+def interpreter_shims() -> list[str]:
+    """Fix the Triton interpreter where it fails on this NumPy; returns what was patched.
+
+    Triton 3.4 to 3.6: a scalar tensor's ``__index__`` (used by ``range`` bounds and ``tl.static_range``)
+    is ``int(handle.data)`` of a one-element array, which NumPy 2.4 refuses ("only 0-dimensional arrays
+    can be converted to Python scalars"; deprecated since NumPy 1.25). Triton 3.7 squeezes the array
+    first; the shim does the same, in ``triton.runtime.interpreter._patch_lang_tensor``, which
+    re-patches ``triton.language.tensor`` on every launch. Called once, when the kernels are loaded
+    under the interpreter.
+    """
+    import triton
+    from triton.runtime import interpreter
+
+    if not (3, 4) <= version_tuple(triton.__version__) <= (3, 6):
+        return []
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_tritonbn_shim", False):
+        return ["_patch_lang_tensor"]
+
+    def patch_lang_tensor(tensor, *args, **kwargs):
+        original(tensor, *args, **kwargs)
+        tensor.__index__ = _scalar_index
+
+    patch_lang_tensor._tritonbn_shim = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return ["_patch_lang_tensor"]
+
+
+def _scalar_index(self) -> int:
+    return int(self.handle.data.reshape(()))
+
+
 # Triton versions whose launch layout the direct launch follows (tritonbn.kernels._launch): the
 # JITFunction.run -> CompiledKernel.run call, read in runtime/jit.py, compiler/compiler.py, knobs.py and
-# the nvidia driver of each release in this range. Outside it, every launch goes through Triton's own
-# JITFunction.run (public, slower on the host).
-DIRECT_LAUNCH_VERIFIED = ((3, 6), (3, 9))
+# the nvidia driver of 3.4, 3.5, 3.6 and 3.9, and checked over a fake driver with each of them
+# (tests/helpers/launch_check.py: 240 launches, 130 direct, no mismatch). Outside it, every launch goes
+# through Triton's own JITFunction.run (public, slower on the host).
+DIRECT_LAUNCH_VERIFIED = ((3, 4), (3, 9))
 
 
 def triton_runtime_knobs():
@@ -98,11 +173,18 @@ def triton_runtime_knobs():
     return knobs.runtime
 
 
-def launch_hook_chains() -> tuple:
-    """Triton's launch-hook chains ``(enter, exit)``: a hook is set on a chain when its ``calls`` list is not
-    empty (Triton 3.6 to 3.9); the direct launch then steps aside, so that the hook sees every launch."""
+def launch_hooks_set():
+    """A function telling whether a Triton launch hook is set: the direct launch then steps aside, so that
+    the hook sees every launch (a profiler such as proton sets one).
+
+    Triton 3.5 to 3.9: ``launch_enter_hook`` / ``launch_exit_hook`` are hook chains, set when their ``calls``
+    list is not empty. Triton 3.4: plain attributes, a callable or ``None`` (read in its knobs.py).
+    """
     runtime = triton_runtime_knobs()
-    return runtime.launch_enter_hook, runtime.launch_exit_hook
+    if hasattr(runtime.launch_enter_hook, "calls"):
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        return lambda: bool(enter.calls or exit_.calls)
+    return lambda: runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
 
 
 def triton_driver():
@@ -124,7 +206,7 @@ def direct_entry(compiled) -> tuple | None:
 
     ``compiled.run`` is the C launcher; it is called as
     ``run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
-    exit_hook, *every_argument)`` (Triton 3.6 to 3.9), ``None`` for the last three. ``compiled`` is kept
+    exit_hook, *every_argument)`` (Triton 3.4 to 3.9), ``None`` for the last three. ``compiled`` is kept
     alive too: since Triton 3.8 a collected CompiledKernel unloads its module. ``None`` where the kernel
     has no such launcher.
     """

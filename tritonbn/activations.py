@@ -10,7 +10,8 @@ ACTIVATIONS = (None, "relu", "leaky_relu", "silu")
 def check_activation(activation, negative_slope) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of None, 'relu', 'leaky_relu', 'silu', got {activation!r}")
-    if isinstance(negative_slope, bool) or not isinstance(negative_slope, int | float):
+    # A tuple, not ``int | float``: torch 2.9's compiler cannot trace types.UnionType.
+    if isinstance(negative_slope, bool) or not isinstance(negative_slope, (int, float)):
         raise TypeError(f"negative_slope must be a float, got {type(negative_slope).__name__}")
 
 

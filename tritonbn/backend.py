@@ -4,7 +4,9 @@
 
 * ``auto`` (default): Triton for CUDA tensors; for CPU tensors Triton only when the kernels were
   loaded under the Triton interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is imported),
-  otherwise the PyTorch backend.
+  otherwise the PyTorch backend. Below the tested floor (torch 2.8 with Triton 3.4,
+  :func:`tritonbn._compat.kernels_version_problem`) a call that would run the kernels raises an
+  error naming the versions found and needed.
 * ``triton``: always the kernels; an error explains why when they cannot run on the input.
 * ``torch``: always the PyTorch backend.
 """
@@ -16,18 +18,23 @@ from types import ModuleType
 
 import torch
 
-from tritonbn import _torch_backend
+from tritonbn import _compat, _torch_backend
 
 BACKENDS = ("auto", "triton", "torch")
 
 _kernels: ModuleType | None = None
 _kernels_error: str | None = None
+_below_floor = False  # torch or Triton older than tritonbn's floor (_compat.TORCH_FLOOR, TRITON_FLOOR)
 
 
 def _load_kernels() -> ModuleType | None:
-    global _kernels, _kernels_error
+    global _kernels, _kernels_error, _below_floor
     if _kernels is None and _kernels_error is None:
         try:
+            problem = _compat.kernels_version_problem()
+            if problem is not None:  # checked before the kernels' modules import what these versions lack
+                _kernels_error, _below_floor = problem, True
+                return None
             from tritonbn import kernels
 
             _kernels = kernels
@@ -85,6 +92,8 @@ def ops_for(x: torch.Tensor) -> ModuleType:
         return _kernels
     if name == "triton":
         raise RuntimeError(f"TRITONBN_BACKEND=triton, but the Triton kernels cannot run here: {why}")
+    if _below_floor and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        raise RuntimeError(why)  # the kernels were asked for (a GPU, or the interpreter): not a silent fallback
     return _torch_backend
 
 

@@ -198,8 +198,10 @@ def trace_as_leaf(module: nn.Module, *args) -> fx.Proxy | None:
     own ``is_leaf_module``, such as torchvision's feature extractor) calls ``forward`` with proxies.
     Returns ``None`` outside tracing. Trailing ``None`` arguments are left out of the node.
     """
-    proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
-    if proxy is None:
+    for proxy in args:  # a plain loop, not next(<genexpr>): torch 2.8's compiler cannot trace ``next``
+        if isinstance(proxy, fx.Proxy):
+            break
+    else:
         return None
     while args and args[-1] is None:
         args = args[:-1]

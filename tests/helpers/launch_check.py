@@ -43,6 +43,12 @@ from tritonbn.kernels import _launch, _plan  # noqa: E402
 # --- a fake driver whose device and stream the cases switch ----------------------------------------
 
 
+# The fake devices' target: an H100 (sm_90), or with LAUNCH_CHECK_TARGET=gfx942 (or gfx90a) an AMD GPU, whose
+# launches Triton binds and specializes with its HIP backend (torch's CUDA API is HIP on ROCm).
+_name = os.environ.get("LAUNCH_CHECK_TARGET", "90")
+TARGET = GPUTarget("hip", _name, 64) if _name.startswith("gfx") else GPUTarget("cuda", int(_name), 32)
+
+
 class FakeDriver:
     device = 0
     stream = 0
@@ -55,7 +61,7 @@ class FakeDriver:
         return FakeDriver.stream
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return TARGET
 
 
 RECORDS: list[tuple] = []
@@ -84,6 +90,21 @@ def fake_compile(self, key, signature, device, constexprs, options, attrs, warmu
     kernel = FakeCompiled(self, key, device)
     self.device_caches[device][0][key] = kernel
     return kernel
+
+
+def install_fake_compile() -> None:
+    """Triton 3.5 and newer compile in ``JITFunction._do_compile``; Triton 3.4 inline in ``JITFunction.run``,
+    through the ``triton.compiler.compile`` that each device's binder imports (``create_binder``)."""
+    if hasattr(JITFunction, "_do_compile"):
+        JITFunction._do_compile = fake_compile
+        return
+    import triton.compiler
+
+    def compile_34(src, target=None, options=None):
+        key = f"{src.signature}{src.constants}{sorted((options or {}).items())}"
+        return FakeCompiled(src.fn, key, driver.active.get_current_device())
+
+    triton.compiler.compile = compile_34
 
 
 # --- the comparison --------------------------------------------------------------------------------
@@ -234,7 +255,11 @@ def hooks_take_tritons_path() -> bool:
     """With a launch hook set, launches go through ``JITFunction.run`` and Triton passes the hooks."""
     calls = []
     hook = calls.append
-    knobs.runtime.launch_enter_hook.add(hook)
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # Triton 3.5 and newer: a hook chain, passed to the launcher as a whole
+        chain.add(hook)
+    else:  # Triton 3.4: one hook, passed as it is
+        knobs.runtime.launch_enter_hook = hook
     try:
         runs = COUNTER.calls
         before = len(RECORDS)
@@ -247,7 +272,10 @@ def hooks_take_tritons_path() -> bool:
         hooked = all(call[7] is knobs.runtime.launch_enter_hook for _, call in RECORDS[before:])
         return through == len(RECORDS) - before == 4 and hooked
     finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
+        if hasattr(chain, "add"):
+            chain.remove(hook)
+        else:
+            knobs.runtime.launch_enter_hook = chain
         REAL_LAUNCH_ONLY[0] = False
 
 
@@ -265,7 +293,7 @@ def main() -> int:
         print(json.dumps({"error": f"the direct launch is off here (triton {_launch.triton.__version__})"}))
         return 2
     driver.set_active(FakeDriver())
-    JITFunction._do_compile = fake_compile
+    install_fake_compile()
     global COUNTER
     COUNTER = CountingRun(JITFunction.run)
     JITFunction.run = COUNTER
@@ -277,6 +305,7 @@ def main() -> int:
     hooks = hooks_take_tritons_path()
     out = {
         "triton": _launch.triton.__version__,
+        "target": f"{TARGET.backend}:{TARGET.arch}",
         "launches": STATS["launches"],
         "direct": STATS["direct"],
         "through_triton": STATS["through_triton"],

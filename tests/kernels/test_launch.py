@@ -20,17 +20,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tritonbn.kernels._launch import SM90, Launch, programs_per_sm
+from tritonbn.kernels._launch import CDNA, SM90, Launch, programs_per_sm
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "helpers" / "launch_check.py"
 
 
-@pytest.fixture(scope="module")
-def check():
+# An H100, and an MI300X: on ROCm the direct launch calls Triton's HIP launcher with the same layout.
+@pytest.fixture(scope="module", params=["90", "gfx942"])
+def check(request):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LAUNCH_CHECK_TARGET"] = request.param
     result = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads(result.stdout[result.stdout.index("{") :])
+    out = json.loads(result.stdout[result.stdout.index("{") :])
+    assert out["target"] == ("hip:gfx942" if request.param == "gfx942" else "cuda:90")
+    return out
 
 
 def test_every_launch_matches_tritons(check):
@@ -66,6 +70,30 @@ def test_programs_per_sm():
     assert programs_per_sm(32, 4, 0) == 16  # threads: 2048 / 128
     assert programs_per_sm(32, 4, 50 * 1024) == 4  # shared memory: 228 KB / (50 KB + 1 KB)
     assert programs_per_sm(255, 8, 0) == 1
+
+
+def test_programs_per_cu_on_cdna():
+    """gfx90a/gfx942 occupancy: waves per SIMD as LLVM's AMDGPU backend reports it in the assembly
+    (``; Occupancy:``): 144 VGPRs gave 3, 9 gave 8 (tests/helpers/aot_compile.py's kernels and a toy, Triton 3.9)."""
+    assert programs_per_sm(144, 4, 0, CDNA) == 3  # 3 waves on each of 4 SIMDs, programs of 4 wavefronts
+    assert programs_per_sm(9, 4, 0, CDNA) == 8  # 8 waves a SIMD, the most
+    assert programs_per_sm(128, 4, 0, CDNA) == 4
+    assert programs_per_sm(129, 4, 0, CDNA) == 3  # rounded up to 136 VGPRs: 3 a SIMD
+    assert programs_per_sm(200, 1, 0, CDNA) == 8  # 2 a SIMD (not 10 from the CU's pooled registers)
+    # LLVM's figures in the gfx942 quick audit: 66 VGPRs 7 waves a SIMD (allocated in units of 8: 72), 74 gave 6
+    assert [programs_per_sm(v, 1, 0, CDNA) for v in (66, 74, 90, 98)] == [28, 24, 20, 16]
+    assert programs_per_sm(32, 4, 40 * 1024, CDNA) == 1  # LDS: 64 KiB per CU
+
+
+def test_plans_keep_256_threads_on_wavefronts_of_64():
+    from tritonbn.kernels import _plan
+
+    x = torch.empty(32, 64, 28, 28).to(memory_format=torch.channels_last)
+    with _plan.planned_as("cuda", 132):
+        nvidia = _plan.plan(x.shape, x)
+    with _plan.planned_as("cuda", 304, warp_size=64):
+        amd = _plan.plan(x.shape, x)
+    assert nvidia.num_warps == 8 and amd.num_warps == 4
 
 
 def test_first_launch_runs_the_fitted_grid(check):

@@ -50,23 +50,23 @@ import torch
 import triton
 
 from tritonbn._compat import (
+    COMPILE_OPTIONS,
     DIRECT_LAUNCH_VERIFIED,
     direct_entry,
-    launch_hook_chains,
+    interpreter_shims,
+    launch_hooks_set,
     load_binary,
     triton_driver,
     triton_runtime_knobs,
+    version_tuple,
 )
-from tritonbn.kernels._plan import fits_occupancy
+from tritonbn.kernels._plan import fits_occupancy, planned_warp_size
 
 _knobs = triton_runtime_knobs()  # ``interpret``
-_enter_hooks, _exit_hooks = launch_hook_chains()  # a hook set there must see every launch
+if _knobs.interpret:
+    interpreter_shims()  # Triton 3.4 to 3.6 with NumPy 2.4 (see there)
+hooks_set = launch_hooks_set()  # a hook set there must see every launch
 driver = triton_driver()
-
-
-def _version(text: str) -> tuple[int, int]:
-    major, minor = text.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def direct_supported() -> bool:
@@ -74,7 +74,7 @@ def direct_supported() -> bool:
     if _knobs.interpret:
         return False
     low, high = DIRECT_LAUNCH_VERIFIED
-    return low <= _version(triton.__version__) <= high
+    return low <= version_tuple(triton.__version__) <= high
 
 
 DIRECT = direct_supported()
@@ -84,16 +84,22 @@ DIRECT = direct_supported()
 # capability 9.0). Registers are given out per warp in units of ``reg_unit``; the driver keeps
 # ``smem_per_block`` bytes of shared memory per resident block.
 SM90 = {"regs": 65536, "reg_unit": 256, "warps": 64, "smem": 228 * 1024, "smem_per_block": 1024, "blocks": 32}
+# The same for one AMD CDNA2/CDNA3 compute unit (gfx90a MI250X, gfx942 MI300X; AMD's CDNA3 ISA guide), an
+# assumption until a ROCm GPU is run: 4 SIMDs, each with 512 VGPRs per lane, given out in units of 8, and at
+# most 8 wavefronts of 64 lanes (a wavefront's registers come from one SIMD); 64 KiB of LDS per CU.
+CDNA = {"regs": 4 * 512 * 64, "reg_unit": 8 * 64, "warps": 32, "smem": 64 * 1024, "smem_per_block": 0, "blocks": 32,
+        "warp_size": 64, "simds": 4}  # fmt: skip
 
 
 def resident_limits(registers: int, num_warps: int, shared: int, sm: dict = SM90) -> dict[str, int]:
     """Programs of a kernel one SM holds at once, by what limits them (registers, threads, shared
     memory, blocks), for ``registers`` per thread, ``num_warps`` warps and ``shared`` bytes per program."""
-    regs_per_warp = -(-max(registers, 1) * 32 // sm["reg_unit"]) * sm["reg_unit"]
+    regs_per_warp = -(-max(registers, 1) * sm.get("warp_size", 32) // sm["reg_unit"]) * sm["reg_unit"]
+    simds = sm.get("simds", 1)
     return {
-        "registers": (sm["regs"] // regs_per_warp) // num_warps,
+        "registers": simds * ((sm["regs"] // simds) // regs_per_warp) // num_warps,
         "threads": sm["warps"] // num_warps,
-        "shared memory": sm["smem"] // (shared + sm["smem_per_block"]),
+        "shared memory": sm["smem"] // max(1, shared + sm["smem_per_block"]),
         "blocks": sm["blocks"],
     }
 
@@ -105,8 +111,11 @@ def programs_per_sm(registers: int, num_warps: int, shared: int, sm: dict = SM90
 
 @functools.cache
 def device_sm(index: int) -> dict:
-    """:data:`SM90`'s figures for CUDA device ``index``, from its properties where torch reports them."""
+    """:data:`SM90`'s figures for CUDA device ``index``, from its properties where torch reports them
+    (:data:`CDNA`'s on ROCm, with the device's wavefront size)."""
     props = torch.cuda.get_device_properties(index)
+    if torch.version.hip:
+        return dict(CDNA, warp_size=getattr(props, "warp_size", 64))
     return dict(
         SM90,
         regs=getattr(props, "regs_per_multiprocessor", SM90["regs"]),
@@ -151,7 +160,7 @@ class Launch:
         self.scratch = scratch
         self.grid = grid
         self.scalars = tail
-        self.options = dict(constexprs, num_warps=num_warps)
+        self.options = dict(constexprs, num_warps=num_warps, **COMPILE_OPTIONS)  # fp fusion on, see _compat
         names = list(fn.arg_names)
         last = names[len(names) - len(constexprs) :]
         if len(names) != pointers + len(tail) + len(constexprs) or set(last) != set(constexprs):
@@ -200,8 +209,8 @@ class Launch:
             try:
                 active = driver.active
             except RuntimeError:  # no GPU driver: Triton's own path decides (the kernel audit records it there)
-                if self.refit is not None:  # planned as for a GPU: the audit's recorder compiles for sm_90
-                    self._fit(pointers, SM90)
+                if self.refit is not None:  # planned as for a GPU: the audit's recorder compiles for its target
+                    self._fit(pointers, CDNA if planned_warp_size() == 64 else SM90)
                 self.fn[self.grid](*pointers, *self.scalars, **self.options)
                 return
             device = active.get_current_device()
@@ -211,7 +220,7 @@ class Launch:
             else:
                 key = device
             found = self.compiled.get(key)
-            if found is not None and not (_enter_hooks.calls or _exit_hooks.calls or fn.pre_run_hooks):
+            if found is not None and not (fn.pre_run_hooks or hooks_set()):
                 run, function, metadata, _ = found
                 run(*self.grid, 1, active.get_current_stream(device), function, metadata, None, None, None,
                     *pointers, *self.args_after)  # fmt: skip

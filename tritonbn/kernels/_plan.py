@@ -75,24 +75,26 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sm_count(index: int) -> tuple[int, int]:
+    """SMs (CUs on ROCm) and the warp (wavefront) size of a GPU."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, getattr(props, "warp_size", 32)
 
 
 # Set by :func:`planned_as`: plan every launch as if it ran on this kind of device.
-_planned_as: tuple[str, int] | None = None
+_planned_as: tuple[str, int, int] | None = None
 
 
 @contextlib.contextmanager
-def planned_as(device_type: str = "cuda", sm_count: int = 132):
+def planned_as(device_type: str = "cuda", sm_count: int = 132, warp_size: int = 32):
     """Plan launches as a ``device_type`` device with ``sm_count`` SMs would, whatever the tensors' device.
 
     For tools that read the compiled code without a GPU (``benchmarks/kernel_audit.py``): the
     tensors stay on CPU, the tiles and grid are those a CUDA device (default: an H100/H200's 132
-    SMs) would get.
+    SMs) would get; ``warp_size=64`` for an AMD GPU (its CUs as ``sm_count``).
     """
     global _planned_as
-    old, _planned_as = _planned_as, (device_type, sm_count)
+    old, _planned_as = _planned_as, (device_type, sm_count, warp_size)
     clear_caches()
     try:
         yield
@@ -101,13 +103,18 @@ def planned_as(device_type: str = "cuda", sm_count: int = 132):
         clear_caches()
 
 
-def _device_kind(device: torch.device) -> tuple[str, int]:
-    """``(device type, SM count)`` the plan is made for."""
+def planned_warp_size() -> int:
+    """The warp size :func:`planned_as` plans for (32 outside it)."""
+    return _planned_as[2] if _planned_as is not None else 32
+
+
+def _device_kind(device: torch.device) -> tuple[str, int, int]:
+    """``(device type, SM count, warp size)`` the plan is made for (a program has 256 or 128 threads)."""
     if _planned_as is not None:
         return _planned_as
     if device.type == "cuda":
-        return "cuda", _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return device.type, 0
+        return "cuda", *_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type, 0, 32
 
 
 def _target_programs(kind: tuple[str, int], per_sm: int | None) -> int:
@@ -301,8 +308,8 @@ def _plan_cached(
         tiles_per_prog=tiles_per_prog,
         use_int64=max_offset > _INT32_MAX or tiles * BLOCK_I > _INT32_MAX,
         # 8 elements per thread and tensor (16 for a scaled tile) when the tile is full; a tile that C
-        # or the inner size cut short gets 4 warps.
-        num_warps=8 if BLOCK_C * BLOCK_I >= 2048 * tile_scale else 4,
+        # or the inner size cut short gets 4 warps (of 32 threads: half as many wavefronts of 64 on AMD).
+        num_warps=(8 if BLOCK_C * BLOCK_I >= 2048 * tile_scale else 4) * 32 // kind[2],
         VEC=VEC,
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=0,
@@ -391,7 +398,7 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
         r_progs=r_progs,
         tiles_per_prog=tiles_per_prog,
         use_int64=max_offset > _INT32_MAX or tiles * tile > _INT32_MAX,
-        num_warps=8 if tile >= _GPU_TILE else 4,
+        num_warps=(8 if tile >= _GPU_TILE else 4) * 32 // kind[2],
         VEC=vec,
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=plane,
