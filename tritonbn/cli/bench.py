@@ -43,6 +43,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from tritonbn._numerics import compute_dtype
 from tritonbn.cli._bench_report import CPU_NOTE, report
 from tritonbn.cli._spawn import process_group, spawn
+from tritonbn.distributed import collective_device
 
 TIMEOUT = datetime.timedelta(seconds=300)  # the process group's: one case may take long on CPU
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -309,7 +310,7 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
                     # Every rank decides alike (rank 0's clock), so the collectives still pair up.
                     late = torch.tensor([float(deadline is not None and time.time() > deadline)])
                     if world > 1:
-                        late = late.to(_collective_device(device))
+                        late = late.to(collective_device(dist.group.WORLD))
                         dist.broadcast(late, 0)
                     if late.item():
                         row["error"] = "skipped: time budget spent"
@@ -341,10 +342,6 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
         "providers": names,
     }
     return {"rows": rows, "meta": meta}
-
-
-def _collective_device(device: torch.device) -> torch.device:
-    return device if device.type == "cuda" else torch.device("cpu")
 
 
 def _restore_backend(value: str | None) -> None:
