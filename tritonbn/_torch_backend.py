@@ -135,11 +135,6 @@ def _grad_z(dy, xc, scale, bias, x, activation, slope, residual, output):
     return dy * s * (1.0 + z * (1.0 - s))
 
 
-def _acc(x: torch.Tensor) -> torch.dtype:
-    """The arithmetic type for ``x``, as in the kernels."""
-    return compute_dtype(x.dtype)
-
-
 def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
@@ -174,7 +169,7 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     n = x.numel() // C if C else 0
     if n == 0:
         return torch.zeros(2 * C + 1, dtype=torch.float64, device=x.device)  # count 0
-    acc = _acc(x)
+    acc = compute_dtype(x.dtype)
     p = _to(x.as_strided((C,), (x.stride(1),)), acc)  # each channel's first element (x[0, :, 0, ...])
     if x.dtype == acc:
         d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
@@ -239,7 +234,7 @@ def batch_norm_elemt(
         raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
     if momentum is None and training and running_mean is not None and num_batches_tracked is None:
         raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
-    acc = _acc(x)
+    acc = compute_dtype(x.dtype)
     C = x.shape[1]
     if training:
         n = stats[2 * C]
@@ -292,7 +287,7 @@ def batch_norm_backward_reduce(
     then ``sum(dz * xhat) = (sum(dz * (x - hi)) - lo * sum(dz)) * invstd`` in the arithmetic type (its
     operands are the native op's float32 sums: float64 here would add no precision).
     """
-    acc = _acc(x)
+    acc = compute_dtype(x.dtype)
     hi, lo = _split_mean(mean, acc)
     invstd = _to(invstd, acc)
     if activation is None and grad_out.dtype == x.dtype:
@@ -343,7 +338,7 @@ def batch_norm_backward_elemt(
     """
     if sums is not None and count is None:
         raise ValueError("batch_norm_backward_elemt: sums needs count")
-    acc = _acc(x)
+    acc = compute_dtype(x.dtype)
     invstd = _to(invstd, acc)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
     hi, lo = _split_mean(mean, acc)
