@@ -70,6 +70,22 @@ def tile_offsets(o, cols, inner, O1, O2, s_c, s_o0, s_o1, s_o2, s_i, VEC: tl.con
 
 
 @triton.jit
+def tile_keep(m_ptr, o, inner, valid, inner_v, O1, O2, s_o0, s_o1, s_o2, s_i, VEC: tl.constexpr):
+    """Masked BatchNorm: the mask over the lanes of the tile at ``(o, inner)``, ``[1, BLOCK_I]``, True at
+    real positions (False past the tile, or when not ``valid``).
+
+    The mask has no channel stride, so every row of the tile shares one row of it: one byte per lane
+    is read, the tile's rows broadcast it. Offsets as in :func:`tile_offsets`.
+    """
+    o2 = o % O2
+    o1 = (o // O2) % O1
+    o0 = o // (O2 * O1)
+    offs = (o0 * s_o0 + o1 * s_o1 + o2 * s_o2) * VEC + inner * s_i
+    keep = tl.load(m_ptr + offs, mask=inner < tl.where(valid, inner_v, 0) * VEC, other=0)
+    return (keep != 0)[None, :]
+
+
+@triton.jit
 def channel_block(pid_c, C, BLOCK_C: tl.constexpr, PACK: tl.constexpr):
     """``(cols, c_mask)``: the ``BLOCK_C`` channel slots of program ``pid_c``, of which the first ``PACK``
     are its channels (all of them unless the plan is packed, see :mod:`tritonbn.kernels._plan`)."""

@@ -68,6 +68,7 @@ _FLAT_MERGE_BYTES = 64 * 1024
 _MERGE_BLOCK_C = 32
 _INT32_MAX = 2**31 - 1
 _PACK_ALIGN = 8  # elements a packed run starts on: 16 bytes of fp16/bf16, 32 of fp32
+_NO_MASK = (0, 0, 0, 0, 0)  # the mask strides of an unmasked plan (its kernels do not read them)
 
 
 def _next_pow2(n: int) -> int:
@@ -158,12 +159,13 @@ class Plan:
     G: int  # programs per merge subtree: r_progs when the merge is one level (see _merge_subtree)
     # What every kernel takes, computed once per plan:
     size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
-    stride_args: tuple[int, ...]  # per tensor: (s_c, s_o0, s_o1, s_o2) / VEC, then s_i
+    stride_args: tuple[int, ...]  # per tensor: (s_c, s_o0, s_o1, s_o2) / VEC, then s_i; zeros for no mask
+    masked: bool = False  # the last tensor is a mask (channel stride 0, see plan)
 
     @property
     def channels_fastest(self) -> bool:
         """Whether every tensor's channels are contiguous (channels_last) and the inner dim is not."""
-        return _channels_fastest(self.strides)
+        return _channels_fastest(self.strides[:-1] if self.masked else self.strides)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -219,6 +221,7 @@ def plan(
     tile_scale: int = 1,
     per_sm: int | None = None,
     merges: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> Plan:
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
 
@@ -229,11 +232,19 @@ def plan(
     compiled kernel's occupancy): the reduction is then split into at most one wave of programs.
     ``merges``: the plan of a reducing kernel, whose programs' partials are merged after the main
     loops: a channels_last one for a GPU takes narrower channel blocks (``_MERGE_BLOCK_C``).
+
+    ``mask``: masked BatchNorm's ``(N, C, *S)`` view of its ``(N, *S)`` mask (channel stride 0), folded
+    with the rest; its strides come last in ``stride_args``. It takes no part in choosing the tile
+    (a channels_last plan stays one) and rules out packed planes, whose lanes span channels. Without
+    it ``stride_args`` ends in five zeros, what the kernels take for a mask they do not read.
     """
     if len(shape) < 2:
         raise ValueError(f"expected an input of shape (N, C, *S), got shape {tuple(shape)}")
     kind = _device_kind(tensors[0].device)
-    return _plan_cached(tuple(shape), tuple([t.stride() for t in tensors]), kind, tile_scale, per_sm, merges)
+    strides = tuple([t.stride() for t in tensors])
+    if mask is not None:
+        return _plan_cached(tuple(shape), (*strides, mask.stride()), kind, tile_scale, per_sm, merges, True)
+    return _plan_cached(tuple(shape), strides, kind, tile_scale, per_sm, merges)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -244,6 +255,7 @@ def _plan_cached(
     tile_scale: int = 1,
     per_sm: int | None = None,
     merges: bool = False,
+    masked: bool = False,
 ) -> Plan:
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
@@ -276,11 +288,13 @@ def _plan_cached(
         max_offset = max(sum((size - 1) * abs(s) for size, s in zip(shape, st, strict=True)) for st in all_strides)
     # A packed tile stays at one tile's lanes even for the statistics: their segmented scan, in fp64,
     # would need more than 128 registers at twice that.
-    packed = _packed(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset, per_sm)
+    packed = None
+    if not masked:
+        packed = _packed(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset, per_sm)
     if packed is not None:
         return packed
     c_pow2 = _next_pow2(C)
-    if _channels_fastest(strides):  # channels_last: lanes along C are contiguous
+    if _channels_fastest(strides[:-1] if masked else strides):  # channels_last: lanes along C are contiguous
         BLOCK_C = min(c_pow2, _MERGE_BLOCK_C if merges and kind[0] == "cuda" else 128)
         BLOCK_I = max(1, min(_next_pow2(inner_size), tile // BLOCK_C))
     else:  # NCHW and the rest: lanes along the inner dim
@@ -316,8 +330,21 @@ def _plan_cached(
         PACK=BLOCK_C,
         G=G,
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
-        stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
+        stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4]))
+        + (() if masked else _NO_MASK),
+        masked=masked,
     )
+
+
+def channel_view(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Masked BatchNorm's bool ``(N, *S)`` mask as the kernels read it: bytes, ``(N, C, *S)`` with channel stride 0.
+
+    The statistics kernel counts real positions in int32: a rank's ``N * S`` must stay below 2**31.
+    """
+    if x.numel() // max(1, x.shape[1]) > _INT32_MAX:
+        raise ValueError(f"tritonbn: a mask covers at most 2**31 - 1 positions (N * S) per rank, got input shape "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    return mask.view(torch.uint8).unsqueeze(1).expand(x.shape)
 
 
 def _channels_fastest(strides: tuple[tuple[int, ...], ...]) -> bool:
@@ -407,7 +434,7 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
         size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
         # As they are: a tile starts at o * stride_o0 + pid_c * PACK * PLANE (see _common.tile_rows),
         # whose alignment Triton sees from its hint on the stride and from the constexprs.
-        stride_args=tuple(x for s in strides for x in (1, s[1] if outer > 1 else 0, 0, 0, 1)),
+        stride_args=tuple(x for s in strides for x in (1, s[1] if outer > 1 else 0, 0, 0, 1)) + _NO_MASK,
     )
 
 

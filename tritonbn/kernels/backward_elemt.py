@@ -21,6 +21,7 @@ from tritonbn.kernels._common import (
     lane_channels,
     per_lane,
     split_mean,
+    tile_keep,
     tile_mask,
     tile_next,
     tile_offsets,
@@ -28,7 +29,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
 from tritonbn.kernels.backward_reduce import aux_tensor
 from tritonbn.kernels.elemt import empty_like_layout
 
@@ -48,6 +49,7 @@ def _batch_norm_backward_elemt_kernel(
     b_ptr,  # (C,) or unused
     sums_ptr,  # (2, C) ACC global [sum_dy | sum_dy_xhat] (training)
     count_ptr,  # fp64, first element: the global count per channel (training)
+    m_ptr,  # masked BatchNorm: (N, *S) uint8 viewed as (N, C, *S), nonzero at real positions; else unused
     # sizes
     C,
     O1,
@@ -82,6 +84,11 @@ def _batch_norm_backward_elemt_kernel(
     sdr_o1,
     sdr_o2,
     sdr_i,
+    sm_c,  # strides of the mask
+    sm_o0,
+    sm_o1,
+    sm_o2,
+    sm_i,
     slope,
     # meta-parameters
     TRAINING: tl.constexpr,
@@ -98,6 +105,7 @@ def _batch_norm_backward_elemt_kernel(
     PLANE: tl.constexpr,  # packed plans: lanes per channel (see _plan); 0 otherwise
     PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
+    HAS_MASK: tl.constexpr,  # masked BatchNorm: dx = d(residual) = 0 at padded positions
 ):
     """dx = (dz - mean(dz) - xhat * mean(dz * xhat)) * invstd * weight, and d(residual) = dz."""
     pid_c = tl.program_id(0)
@@ -142,6 +150,8 @@ def _batch_norm_backward_elemt_kernel(
         x = tl.load(x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask)
     if READ_AUX:
         aux = tl.load(aux_ptr + tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC), mask=mask)
+    if HAS_MASK:
+        keep = tile_keep(m_ptr, o, inner, t_start < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
     for t in range(t_start, t_end):
         o_cur, inner_cur, out_mask = o, inner, mask
         # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
@@ -157,6 +167,8 @@ def _batch_norm_backward_elemt_kernel(
         if READ_AUX:
             a_offs = tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC)
             aux_next = tl.load(aux_ptr + a_offs, mask=mask)
+        if HAS_MASK:
+            keep_next = tile_keep(m_ptr, o, inner, t + 1 < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
         # Every load of the next tile is issued; now the current one.
         dz = dy.to(ACC)
         if NEED_X:
@@ -171,6 +183,8 @@ def _batch_norm_backward_elemt_kernel(
             a = dz
         if ACTIVATION != 0:
             dz = grad_z(dz, xc - lo, scale, bias, a, slope, ACTIVATION, AUX)
+        if HAS_MASK:  # the output is a constant 0 at padded positions: no gradient flows there
+            dz = tl.where(keep, dz, 0.0)
         if WRITE_DR:
             dr_offs = tile_offsets(o_cur, rows, inner_cur, O1, O2, sdr_c, sdr_o0, sdr_o1, sdr_o2, sdr_i, OVEC)
             tl.store(dr_ptr + dr_offs, dz.to(dr_ptr.dtype.element_ty), mask=out_mask)
@@ -179,9 +193,13 @@ def _batch_norm_backward_elemt_kernel(
                 dx = (dz - xc * k) * scale + c
             else:
                 dx = dz * scale
+            if HAS_MASK:
+                dx = tl.where(keep, dx, 0.0)
             dx_offs = tile_offsets(o_cur, rows, inner_cur, O1, O2, sdx_c, sdx_o0, sdx_o1, sdx_o2, sdx_i, OVEC)
             tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=out_mask)
         dy = dy_next
+        if HAS_MASK:
+            keep = keep_next
 
 
 def batch_norm_backward_elemt(
@@ -200,6 +218,7 @@ def batch_norm_backward_elemt(
     output: torch.Tensor | None = None,
     input_grad: bool = True,
     out_grad_residual: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Input gradient of batch norm (and of a fused residual add and activation).
 
@@ -217,6 +236,8 @@ def batch_norm_backward_elemt(
             for :func:`batch_norm_backward_reduce`.
         input_grad: compute ``dx`` (else return ``None``, e.g. to fill only the residual's gradient).
         out_grad_residual: a tensor shaped like ``x`` to write the residual's gradient ``dz`` into.
+        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions; both gradients are 0
+            at the others, and ``count`` is the real positions' (from the masked forward's ``stats``).
 
     Returns:
         ``dx`` like ``x`` (same dtype and memory format), or ``None`` when ``input_grad`` is false.
@@ -236,10 +257,13 @@ def batch_norm_backward_elemt(
         None if aux is None else (aux_kind, aux.stride(), aux.dtype), input_grad,
         None if dr is None else (dr.stride(), dr.dtype),
     )  # fmt: skip
+    if mask is not None:
+        mask = channel_view(mask, x)
+        key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
         launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, training, activation, negative_slope,
-                                                   aux, aux_kind, input_grad, dr))  # fmt: skip
+                                                   aux, aux_kind, input_grad, dr, mask))  # fmt: skip
     dx = torch.empty_like(x, memory_format=torch.preserve_format) if input_grad else None
     launch(
         grad_out,
@@ -253,6 +277,7 @@ def batch_norm_backward_elemt(
         bias if bias is not None else invstd,
         sums if training else invstd,
         count if training else invstd,
+        x if mask is None else mask,
     )
     return dx
 
@@ -260,11 +285,12 @@ def batch_norm_backward_elemt(
 _launches = launch_cache()
 
 
-def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux, aux_kind, input_grad, dr,
+def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux, aux_kind, input_grad, dr, mask=None,
             per_sm=None) -> Launch:  # fmt: skip
     """The launch of the backward elementwise kernel on arguments like these (see the key in the launcher)."""
     dx = empty_like_layout(x) if input_grad else None
-    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)), per_sm=per_sm)
+    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)), per_sm=per_sm,
+                  mask=mask)  # fmt: skip
     constexprs = dict(
         TRAINING=training,
         HAS_WEIGHT=weight is not None,
@@ -280,9 +306,10 @@ def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux
         PLANE=layout.PLANE,
         PACK=layout.PACK,
         USE_INT64=layout.use_int64,
+        HAS_MASK=mask is not None,
     )
     tail = (*layout.size_args, *layout.stride_args, float(negative_slope))
     refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, training, activation, negative_slope,
-                                           aux, aux_kind, input_grad, dr, device=x.device)  # fmt: skip
-    return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=11,
+                                           aux, aux_kind, input_grad, dr, mask, device=x.device)  # fmt: skip
+    return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
                   refit=refit)  # fmt: skip

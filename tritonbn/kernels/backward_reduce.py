@@ -34,6 +34,7 @@ from tritonbn.kernels._common import (
     rounded_for,
     split_mean,
     store_partials,
+    tile_keep,
     tile_mask,
     tile_next,
     tile_offsets,
@@ -41,7 +42,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
 from tritonbn.kernels._workspace import workspace
 
 
@@ -78,6 +79,7 @@ def _batch_norm_backward_reduce_kernel(
     gw_ptr,  # (C,) out: local grad_weight, or unused
     gb_ptr,  # (C,) out: local grad_bias, or unused
     ticket_ptr,  # (channel blocks, merge subtrees + 1) int32, zero before and after
+    m_ptr,  # masked BatchNorm: (N, *S) uint8 viewed as (N, C, *S), nonzero at real positions; else unused
     # sizes
     C,
     O1,
@@ -104,6 +106,11 @@ def _batch_norm_backward_reduce_kernel(
     sa_o1,
     sa_o2,
     sa_i,
+    sm_c,  # strides of the mask
+    sm_o0,
+    sm_o1,
+    sm_o2,
+    sm_i,
     slope,
     # meta-parameters
     HAS_WEIGHT: tl.constexpr,
@@ -121,6 +128,7 @@ def _batch_norm_backward_reduce_kernel(
     PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
     UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
+    HAS_MASK: tl.constexpr,  # masked BatchNorm: padded positions add nothing (dz = 0 there)
 ):
     """Per-lane sums of dz and dz * (x - mean_hi); the last program merges every chunk."""
     pid_c = tl.program_id(0)
@@ -163,6 +171,8 @@ def _batch_norm_backward_reduce_kernel(
         )
     else:
         aux = dy
+    if HAS_MASK:
+        keep = tile_keep(m_ptr, o, inner, t_start < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
     if UNROLL == 2:  # two tiles a step: twice the bytes in flight, the accumulators and the merge unchanged
         o, it = tile_next(o, it, inner_tiles)
         inner, mask = tile_mask(it, t_start + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
@@ -174,6 +184,8 @@ def _batch_norm_backward_reduce_kernel(
         if READ_AUX:
             aux2 = tl.load(aux_ptr + tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC),
                            mask=mask, other=0.0)  # fmt: skip
+        if HAS_MASK:
+            keep2 = tile_keep(m_ptr, o, inner, t_start + 1 < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
     acc_dz = tl.zeros(mask.shape, dtype=ACC)
     acc_dzx = tl.zeros(mask.shape, dtype=ACC)
     for t in range(t_start, t_end, UNROLL):
@@ -188,6 +200,9 @@ def _batch_norm_backward_reduce_kernel(
         if READ_AUX:
             a_offs = tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC)
             aux_next = tl.load(aux_ptr + a_offs, mask=mask, other=0.0)
+        if HAS_MASK:
+            keep_next = tile_keep(m_ptr, o, inner, t + UNROLL < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i,
+                                  OVEC)  # fmt: skip
         if UNROLL == 2:
             o, it = tile_next(o, it, inner_tiles)
             inner, mask = tile_mask(it, t + 3 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
@@ -199,12 +214,23 @@ def _batch_norm_backward_reduce_kernel(
             if READ_AUX:
                 a_offs = tile_offsets(o, rows, inner, O1, O2, sa_c, sa_o0, sa_o1, sa_o2, sa_i, OVEC)
                 aux2_next = tl.load(aux_ptr + a_offs, mask=mask, other=0.0)
+            if HAS_MASK:
+                keep2_next = tile_keep(m_ptr, o, inner, t + 3 < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i,
+                                       OVEC)  # fmt: skip
         dz, dzx = _grad_terms(dy, x, aux, hi_l, lo_l, scale_l, bias_l, slope, ACC, ACTIVATION, AUX, READ_AUX)
+        if HAS_MASK:  # a padded position adds exactly 0, whatever dy, x and aux hold there
+            dz = tl.where(keep, dz, 0.0)
+            dzx = tl.where(keep, dzx, 0.0)
+            keep = keep_next
         acc_dz += dz
         acc_dzx += dzx
         dy, x, aux = dy_next, x_next, aux_next
         if UNROLL == 2:
             dz, dzx = _grad_terms(dy2, x2, aux2, hi_l, lo_l, scale_l, bias_l, slope, ACC, ACTIVATION, AUX, READ_AUX)
+            if HAS_MASK:
+                dz = tl.where(keep2, dz, 0.0)
+                dzx = tl.where(keep2, dzx, 0.0)
+                keep2 = keep2_next
             acc_dz += dz
             acc_dzx += dzx
             dy2, x2, aux2 = dy2_next, x2_next, aux2_next
@@ -249,6 +275,7 @@ def batch_norm_backward_reduce(
     negative_slope: float = 0.01,
     residual: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Local per-channel reductions for the backward pass.
 
@@ -263,6 +290,8 @@ def batch_norm_backward_reduce(
             ``dy`` is taken at ``y = act(z)`` and the sums are over ``dz = dy * act'(z)``. ``act'`` is
             read from the sign of ``output`` (y) when given (relu, or leaky_relu with a slope >= 0),
             else from ``z = xhat * weight + bias (+ residual)`` recomputed from ``x``.
+        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions; the sums cover those
+            only (the forward's output is a constant 0 at the others).
 
     Returns:
         ``(sums, grad_weight, grad_bias)``: ``sums`` is ``(2, C)`` fp32 (fp64 for float64 ``x``) contiguous,
@@ -276,10 +305,13 @@ def batch_norm_backward_reduce(
         None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad,
         activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype),
     )  # fmt: skip
+    if mask is not None:
+        mask = channel_view(mask, x)
+        key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
         launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation,
-                                                   negative_slope, aux, aux_kind))  # fmt: skip
+                                                   negative_slope, aux, aux_kind, mask))  # fmt: skip
     device = x.device
     C = x.shape[1]
     sdtype = compute_dtype(x.dtype)
@@ -301,6 +333,7 @@ def batch_norm_backward_reduce(
         grad_weight if grad_weight is not None else sums,
         grad_bias if grad_bias is not None else sums,
         ws.tickets,
+        x if mask is None else mask,
     )
     return sums, grad_weight, grad_bias
 
@@ -320,10 +353,10 @@ def _unroll(x: torch.Tensor, layout) -> int:
     return 2 if layout.channels_fastest else 1
 
 
-def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
+def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind, mask=None,
             per_sm=None) -> Launch:  # fmt: skip
     """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
-    layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm, merges=True)
+    layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm, merges=True, mask=mask)
     R = layout.r_progs
     constexprs = dict(
         HAS_WEIGHT=weight is not None,
@@ -341,9 +374,10 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
         PACK=layout.PACK,
         USE_INT64=layout.use_int64,
         UNROLL=_unroll(x, layout),
+        HAS_MASK=mask is not None,
     )
     tail = (*layout.size_args, R, layout.G, *layout.stride_args, float(negative_slope))
     refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, weight_grad, bias_grad, activation,
-                                           negative_slope, aux, aux_kind, device=x.device)  # fmt: skip
-    return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
+                                           negative_slope, aux, aux_kind, mask, device=x.device)  # fmt: skip
+    return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
                   tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit)  # fmt: skip

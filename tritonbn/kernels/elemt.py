@@ -38,6 +38,7 @@ from tritonbn.kernels._common import (
     rounded_for,
     split_mean,
     take_ticket,
+    tile_keep,
     tile_mask,
     tile_next,
     tile_offsets,
@@ -45,7 +46,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
 from tritonbn.kernels._workspace import workspace
 
 
@@ -65,6 +66,7 @@ def _batch_norm_elemt_kernel(
     ticket_ptr,  # (1,) int32 at zero: orders the num_batches_tracked update
     mean_ptr,  # (C,) fp64 out: saved mean, or unused
     invstd_ptr,  # (C,) ACC out: saved invstd, or unused
+    m_ptr,  # masked BatchNorm: (N, *S) uint8 viewed as (N, C, *S), nonzero at real positions; else unused
     # sizes
     C,
     O1,
@@ -89,6 +91,11 @@ def _batch_norm_elemt_kernel(
     sr_o1,
     sr_o2,
     sr_i,
+    sm_c,  # strides of the mask
+    sm_o0,
+    sm_o1,
+    sm_o2,
+    sm_i,
     # scalars: momentum and eps each as two fp32 numbers whose sum is the Python float (fp64)
     momentum,
     momentum_lo,
@@ -112,6 +119,7 @@ def _batch_norm_elemt_kernel(
     PLANE: tl.constexpr,  # packed plans: lanes per channel (see _plan); 0 otherwise
     PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
+    HAS_MASK: tl.constexpr,  # masked BatchNorm: y = 0 at padded positions
 ):
     """y = act((x - mean) * invstd * weight + bias + residual), plus saved stats and the running-stat update."""
     pid_c = tl.program_id(0)
@@ -175,6 +183,8 @@ def _batch_norm_elemt_kernel(
     x = tl.load(x_ptr + tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC), mask=mask)
     if HAS_RESIDUAL:
         res = tl.load(r_ptr + tile_offsets(o, rows, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, OVEC), mask=mask)
+    if HAS_MASK:
+        keep = tile_keep(m_ptr, o, inner, t_start < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
     for t in range(t_start, t_end):
         o_cur, inner_cur, y_mask = o, inner, mask
         # Prefetch the next tile (masked off past the chunk), then compute and store the current one.
@@ -184,11 +194,16 @@ def _batch_norm_elemt_kernel(
         if HAS_RESIDUAL:
             r_offs = tile_offsets(o, rows, inner, O1, O2, sr_c, sr_o0, sr_o1, sr_o2, sr_i, OVEC)
             res_next = tl.load(r_ptr + r_offs, mask=mask)
+        if HAS_MASK:
+            keep_next = tile_keep(m_ptr, o, inner, t + 1 < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
         y = (x.to(ACC) - hi) * scale + shift
         if HAS_RESIDUAL:
             y += res.to(ACC)
             res = res_next
         y = activate(y, slope, ACTIVATION)
+        if HAS_MASK:
+            y = tl.where(keep, y, 0.0)
+            keep = keep_next
         y_offs = tile_offsets(o_cur, rows, inner_cur, O1, O2, sy_c, sy_o0, sy_o1, sy_o2, sy_i, OVEC)
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
         x = x_next
@@ -221,6 +236,7 @@ def batch_norm_elemt(
     activation: str | None = None,
     negative_slope: float = 0.01,
     save_stats: bool = True,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Normalize ``x``, then add ``residual`` and apply ``activation``; in training, also update the running stats.
 
@@ -241,6 +257,8 @@ def batch_norm_elemt(
             applied last.
         save_stats: return the statistics ``y`` was normalized with (what backward needs); ``False``
             skips them (inference).
+        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions; ``y`` is 0 at the
+            others (after the activation). ``stats`` then holds the real positions' sums and count.
 
     Returns:
         ``(y, mean, invstd)``: ``y`` like ``x`` (same dtype and memory format), ``mean`` ``(C,)``
@@ -262,10 +280,14 @@ def batch_norm_elemt(
         None if num_batches_tracked is None else num_batches_tracked.dtype,
         None if residual is None else (residual.stride(), residual.dtype),
     )  # fmt: skip
+    if mask is not None:
+        mask = channel_view(mask, x)
+        key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
         launch = cache_put(_launches, key, _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
-                                                   eps, residual, activation, negative_slope, save_stats))  # fmt: skip
+                                                   eps, residual, activation, negative_slope, save_stats,
+                                                   mask))  # fmt: skip
     device = x.device
     y = torch.empty_like(x, memory_format=torch.preserve_format)
     if save_stats:
@@ -289,6 +311,7 @@ def batch_norm_elemt(
         workspace(device, 1).tickets if launch.tickets else dummy,
         dummy if mean is None else mean,
         dummy if invstd is None else invstd,
+        x if mask is None else mask,
     )
     return y, mean, invstd
 
@@ -297,11 +320,11 @@ _launches = launch_cache()
 
 
 def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum, eps, residual, activation,
-            negative_slope, save_stats, per_sm=None) -> Launch:  # fmt: skip
+            negative_slope, save_stats, mask=None, per_sm=None) -> Launch:  # fmt: skip
     """The launch of the elementwise kernel on arguments like these (see the key in :func:`batch_norm_elemt`)."""
     y = empty_like_layout(x)
     layout = plan(x.shape, x, y, residual if residual is not None else x, tile_scale=2 if x.element_size() <= 2 else 1,
-                  per_sm=per_sm)  # fmt: skip
+                  per_sm=per_sm, mask=mask)  # fmt: skip
     training = stats is not None
     update = training and running_mean is not None
     has_nbt = update and num_batches_tracked is not None
@@ -322,6 +345,7 @@ def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
         PLANE=layout.PLANE,
         PACK=layout.PACK,
         USE_INT64=layout.use_int64,
+        HAS_MASK=mask is not None,
     )
     tail = (
         *layout.size_args,
@@ -331,7 +355,7 @@ def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
         float(negative_slope),
     )
     refit = None if per_sm else refit_with(_launch, x, weight, bias, stats, running_mean, num_batches_tracked,
-                                           momentum, eps, residual, activation, negative_slope, save_stats,
+                                           momentum, eps, residual, activation, negative_slope, save_stats, mask,
                                            device=x.device)  # fmt: skip
-    return Launch(_batch_norm_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
+    return Launch(_batch_norm_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
                   tickets=int(has_nbt), refit=refit)  # fmt: skip

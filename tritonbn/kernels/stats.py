@@ -33,6 +33,7 @@ from tritonbn.kernels._common import (
     merge_tree,
     per_lane,
     store_partials,
+    tile_keep,
     tile_mask,
     tile_next,
     tile_offsets,
@@ -40,7 +41,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
 from tritonbn.kernels._workspace import workspace
 
 
@@ -52,7 +53,8 @@ def _batch_norm_stats_kernel(
     x_ptr,  # (N, C, *S), any strides
     part_ptr,  # (2, R, C) then (2, merge subtrees, C) fp64: each program's shifted sums S1, S2
     stats_ptr,  # (2C + 1,) fp64 out: [sum x | sum x^2 | count]
-    ticket_ptr,  # (channel blocks, merge subtrees + 1) int32, zero before and after
+    ticket_ptr,  # (channel blocks, merge subtrees + 1) int32, then (masked) one count per block; zero after
+    m_ptr,  # masked BatchNorm: (N, *S) uint8 viewed as (N, C, *S), nonzero at real positions; else unused
     # sizes
     C,
     O1,
@@ -70,6 +72,12 @@ def _batch_norm_stats_kernel(
     sx_o1,
     sx_o2,
     sx_i,
+    # strides of the mask
+    sm_c,
+    sm_o0,
+    sm_o1,
+    sm_o2,
+    sm_i,
     # meta-parameters
     ACC: tl.constexpr,  # float32, or float64 for float64 inputs
     BLOCK_C: tl.constexpr,
@@ -80,6 +88,7 @@ def _batch_norm_stats_kernel(
     PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
     UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
+    HAS_MASK: tl.constexpr,  # masked BatchNorm: sums and count over the real positions only
 ):
     """Shifted per-lane sums of x over a chunk of tiles; the last program merges every chunk."""
     pid_c = tl.program_id(0)
@@ -92,6 +101,9 @@ def _batch_norm_stats_kernel(
         lanes = lanes.to(tl.int64)
     # The pivot: each channel's first element (the same for every program of this rank).
     has_data = c_mask & (cols < tl.minimum(tiles, 1) * C)
+    if HAS_MASK:  # a padded first position (any value, NaN included) gives the pivot 0
+        tl.static_assert(PLANE == 0, "masked plans are never packed")
+        has_data = has_data & (tl.load(m_ptr + cols * 0, mask=has_data, other=0) != 0)
     if PLANE > 0:
         first = tl.load(x_ptr + cols * PLANE, mask=has_data, other=0.0)
     else:
@@ -110,11 +122,16 @@ def _batch_norm_stats_kernel(
     inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
     offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
     x = tl.load(x_ptr + offs, mask=mask, other=first_l)
+    if HAS_MASK:
+        keep = tile_keep(m_ptr, o, inner, t_start < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
+        kept = tl.zeros(keep.shape, dtype=tl.int32)  # real positions per lane
     if UNROLL == 2:  # two tiles a step: twice the bytes in flight, the accumulators and the merge unchanged
         o, it = tile_next(o, it, inner_tiles)
         inner, mask = tile_mask(it, t_start + 1 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
         offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
         x2 = tl.load(x_ptr + offs, mask=mask, other=first_l)
+        if HAS_MASK:
+            keep2 = tile_keep(m_ptr, o, inner, t_start + 1 < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
     s1 = tl.zeros(x.shape, dtype=ACC)
     s2 = tl.zeros(x.shape, dtype=ACC)
     for t in range(t_start, t_end, UNROLL):
@@ -123,64 +140,91 @@ def _batch_norm_stats_kernel(
         inner, mask = tile_mask(it, t + UNROLL < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
         offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
         x_next = tl.load(x_ptr + offs, mask=mask, other=first_l)
+        if HAS_MASK:
+            keep_next = tile_keep(m_ptr, o, inner, t + UNROLL < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i,
+                                  OVEC)  # fmt: skip
         if UNROLL == 2:
             o, it = tile_next(o, it, inner_tiles)
             inner, mask = tile_mask(it, t + 3 < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
             offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
             x2_next = tl.load(x_ptr + offs, mask=mask, other=first_l)
+            if HAS_MASK:
+                keep2_next = tile_keep(m_ptr, o, inner, t + 3 < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i,
+                                       OVEC)  # fmt: skip
         d = x.to(ACC) - pivot_l
+        if HAS_MASK:  # a padded position adds exactly 0, whatever it holds
+            d = tl.where(keep, d, 0.0)
+            kept += keep.to(tl.int32)
+            keep = keep_next
         s1 += d
         s2 += d * d
         x = x_next
         if UNROLL == 2:
             d = x2.to(ACC) - pivot_l
+            if HAS_MASK:
+                d = tl.where(keep2, d, 0.0)
+                kept += keep2.to(tl.int32)
+                keep2 = keep2_next
             s1 += d
             s2 += d * d
             x2 = x2_next
 
     # This program's partials, its lanes merged in fp64.
     store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, PACK, VEC, tl.float64)
+    if HAS_MASK:  # this block's count of real positions: exact in any order, an integer sum
+        count_ptr = ticket_ptr + tl.num_programs(0) * ((R + G - 1) // G + 1) + pid_c
+        tl.atomic_add(count_ptr, tl.sum(tl.sum(kept, axis=1), axis=0))
     # The two-level merge in a fixed order (see merge_tree); one program ends with the sums over all R.
     last, S1, S2 = merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask, BLOCK_R, BLOCK_C)
     if last:
         p = pivot.to(tl.float64)
-        n = tl.cast(count, tl.float64)
+        if HAS_MASK:
+            n = tl.atomic_xchg(count_ptr, 0).to(tl.float64)  # read, and put back to zero for the next launch
+        else:
+            n = tl.cast(count, tl.float64)
         tl.store(stats_ptr + cols, S1 + n * p, mask=c_mask)
         tl.store(stats_ptr + C + cols, S2 + (2.0 * p) * S1 + n * p * p, mask=c_mask)
         if pid_c == 0:
             tl.store(stats_ptr + 2 * C, n)
 
 
-def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
+def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Local per-channel statistics of ``x``, packed for one SUM all-reduce (one launch).
 
     Args:
         x: ``(N, C, *S)`` input of any rank >= 2, dtype fp32/fp16/bf16/fp64, any strides
             (contiguous, channels_last, permuted). ``N`` may be 0.
+        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions (any strides). The
+            sums and the count then cover the real positions only; what padded positions hold is never
+            used.
 
     Returns:
         ``stats``: ``(2C + 1,)`` float64, ``[sum(x) (C) | sum(x^2) (C) | count]``, where ``count`` is
-        the number of elements per channel. Buffers from several ranks combine by summing;
+        the number of elements (real positions) per channel. Buffers from several ranks combine by summing;
         :func:`batch_norm_elemt` turns them into mean and var, and ``stats[-1:]`` is the count
         :func:`batch_norm_backward_elemt` takes.
     """
-    key = (x.shape, x.stride(), x.dtype, x.device)
-    launch = _launches.get(key) or cache_put(_launches, key, _launch(x))
+    if mask is not None:
+        mask = channel_view(mask, x)
+        key = (x.shape, x.stride(), x.dtype, x.device, mask.stride())
+    else:
+        key = (x.shape, x.stride(), x.dtype, x.device)
+    launch = _launches.get(key) or cache_put(_launches, key, _launch(x, mask))
     device = x.device
     C = x.shape[1]
     ws = workspace(device, launch.tickets, launch.scratch)
     stats = torch.empty(2 * C + 1, dtype=torch.float64, device=device)
-    launch(x, ws.scratch, stats, ws.tickets)
+    launch(x, ws.scratch, stats, ws.tickets, x if mask is None else mask)
     return stats
 
 
 _launches = launch_cache()
 
 
-def _launch(x: torch.Tensor, per_sm: int | None = None) -> Launch:
-    """The launch of the statistics kernel on inputs like ``x`` (its shape, strides, dtype and device),
-    planned for ``per_sm`` programs per SM (see :mod:`tritonbn.kernels._launch`)."""
-    layout = plan(x.shape, x, tile_scale=2, per_sm=per_sm, merges=True)
+def _launch(x: torch.Tensor, mask: torch.Tensor | None = None, per_sm: int | None = None) -> Launch:
+    """The launch of the statistics kernel on inputs like ``x`` (its shape, strides, dtype and device) and
+    ``mask`` (its strides), planned for ``per_sm`` programs per SM (see :mod:`tritonbn.kernels._launch`)."""
+    layout = plan(x.shape, x, tile_scale=2, per_sm=per_sm, merges=True, mask=mask)
     C, R = layout.C, layout.r_progs
     constexprs = dict(
         ACC=acc_dtypes(x)[0],
@@ -192,8 +236,11 @@ def _launch(x: torch.Tensor, per_sm: int | None = None) -> Launch:
         PACK=layout.PACK,
         USE_INT64=layout.use_int64,
         UNROLL=2,
+        HAS_MASK=mask is not None,
     )
     tail = (*layout.size_args, R, layout.G, x.numel() // C, *layout.stride_args)
-    return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=4,
-                  tickets=layout.merge_tickets, scratch=layout.merge_scratch,
-                  refit=None if per_sm else refit_with(_launch, x, device=x.device))  # fmt: skip
+    # A masked launch counts each channel block's real positions in one more counter per block.
+    tickets = layout.merge_tickets + (layout.c_blocks if mask is not None else 0)
+    return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=5,
+                  tickets=tickets, scratch=layout.merge_scratch,
+                  refit=None if per_sm else refit_with(_launch, x, mask, device=x.device))  # fmt: skip
