@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tritonbn._compat import assert_on_device
 from tritonbn._numerics import FLOAT_DTYPES
 from tritonbn.activations import check_activation
 from tritonbn.distributed import dtype_code
@@ -96,6 +97,50 @@ def check_inputs(
             )
 
 
+def check_mask(mask, input: torch.Tensor) -> None:
+    """Masked BatchNorm's ``mask``: a bool tensor of the input's shape without its channel dimension, on its device."""
+    shape = (input.shape[0], *input.shape[2:])
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a bool tensor of shape {shape} or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True at real positions), got dtype {mask.dtype}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"mask must have the input's shape without its channel dimension, {shape} for input of "
+                         f"shape {tuple(input.shape)}, got {tuple(mask.shape)}")  # fmt: skip
+    if mask.device != input.device:
+        raise ValueError(f"mask must be on the input's device {input.device}, got {mask.device}")
+
+
+def mask_from_lengths(input: torch.Tensor, lengths, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The mask of an ``(N, C, L)`` input whose item ``i`` holds ``lengths[i]`` real positions, then padding.
+
+    ``lengths`` on the host (a sequence, or a CPU tensor) is checked here; on a GPU it is checked on the
+    device, with no host synchronization (a failed check is a device-side assertion).
+    """
+    if mask is not None:
+        raise ValueError("give mask or lengths, not both")
+    if not isinstance(input, torch.Tensor) or input.dim() != 3:
+        shape = tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__
+        raise ValueError(f"lengths needs an input of shape (N, C, L), got {shape}: give mask= instead")
+    N, L = input.shape[0], input.shape[2]
+    if not isinstance(lengths, torch.Tensor):
+        lengths = torch.as_tensor(lengths)
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
+    if tuple(lengths.shape) != (N,):
+        raise ValueError(
+            f"lengths must have shape ({N},), one length per item of the batch, got {tuple(lengths.shape)}"
+        )
+    message = f"lengths must lie in [0, {L}] (the input's last dimension)"
+    if lengths.device.type == "cpu":
+        if N and not bool(((lengths >= 0) & (lengths <= L)).all()):
+            raise ValueError(f"{message}, got {lengths.tolist()}")
+    else:
+        assert_on_device(((lengths >= 0) & (lengths <= L)).all(), message)
+    lengths = lengths.to(input.device, non_blocking=True)
+    return torch.arange(L, device=input.device) < lengths[:, None]
+
+
 def signature(input, training: bool, input_grad: bool) -> dict[str, float]:
     """What every rank must agree on before a collective (TRITONBN_DEBUG=1), besides the call and the layer."""
     ok = isinstance(input, torch.Tensor) and input.dim() >= 2
@@ -108,13 +153,16 @@ def signature(input, training: bool, input_grad: bool) -> dict[str, float]:
     }
 
 
-def check_call(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features):
+def check_call(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features,
+               mask=None):  # fmt: skip
     """Every check of one call of ``layer`` (a :class:`tritonbn._passes.Layer`): :func:`check_inputs` and the
     rules that need the layer's mode."""
     training = layer.training
     check_inputs(input, running_mean, running_var, weight, bias, layer.momentum, layer.eps, num_batches_tracked,
                  num_features, residual, training=training)  # fmt: skip
     check_activation(layer.activation, layer.negative_slope)
+    if mask is not None:
+        check_mask(mask, input)
     if not training and running_mean is None:
         raise ValueError("running_mean and running_var are required when training=False")
     if training and layer.group is None and input.numel() // input.shape[1] == 1:

@@ -34,6 +34,13 @@ def forward_ad_active() -> bool:
     return _forward_ad._current_level >= 0
 
 
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Check a one-element bool tensor on its device, without a host synchronization (masked BatchNorm's
+    ``lengths`` on a GPU): ``aten._assert_async.msg``, a device-side assertion on CUDA, a ``RuntimeError``
+    with ``message`` on CPU. Read in torch 2.8 to 2.13. No public equivalent."""
+    torch.ops.aten._assert_async.msg(condition, message)
+
+
 # --- torch.distributed ----------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from tritonbn import higher_order
 from tritonbn._compat import forward_ad_active, resolve_process_group
 from tritonbn._numerics import compute_dtype
 from tritonbn._passes import Layer, backward_pass, forward_pass, kept_for_backward, stats_shape
-from tritonbn.backend import ops_for
+from tritonbn.backend import masked_ops_for, ops_for
 
 
 def group_name(group) -> str:
@@ -45,14 +45,16 @@ def batch_norm_forward(
     activation: str | None,
     negative_slope: float,
     group_name: str,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`forward_pass` as one op, over the group named ``group_name`` ("" for none): ``(y, mean, invstd, stats)``.
 
-    In eval ``stats`` is left uninitialized (an op returns tensors).
+    In eval ``stats`` is left uninitialized (an op returns tensors). ``mask``: masked BatchNorm.
     """
     layer = Layer(training, momentum, eps, activation, negative_slope, _resolve_name(group_name))
+    ops = ops_for(x) if mask is None else masked_ops_for(x)
     y, mean, invstd, stats = forward_pass(
-        ops_for(x), layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual
+        ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask=mask
     )
     if stats is None:
         stats = x.new_empty(stats_shape(x.shape[1]), dtype=torch.float64)
@@ -90,19 +92,20 @@ def batch_norm_backward(
     residual_grad: bool,
     group_name: str,
     name: str = "",
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty."""
     layer = Layer(training, None, 0.0, activation, negative_slope, _resolve_name(group_name), name=name)
     grads = backward_pass(
-        ops_for(x), layer, grad_out, x, weight, bias, mean, invstd, stats, residual, output, input_grad, weight_grad,
-        bias_grad, residual_grad,
+        ops_for(x) if mask is None else masked_ops_for(x), layer, grad_out, x, weight, bias, mean, invstd, stats,
+        residual, output, input_grad, weight_grad, bias_grad, residual_grad, mask,
     )  # fmt: skip
     return tuple(g if g is not None else x.new_empty(0) for g in grads)  # distinct: op outputs may not alias
 
 
 @batch_norm_backward.register_fake
 def _(grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
-      input_grad, weight_grad, bias_grad, residual_grad, group_name, name=""):  # fmt: skip
+      input_grad, weight_grad, bias_grad, residual_grad, group_name, name="", mask=None):  # fmt: skip
     C = x.shape[1]
     gdtype = weight.dtype if weight is not None else compute_dtype(x.dtype)
     return (
@@ -123,36 +126,38 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-        activation, negative_slope, group_name, name,
+        activation, negative_slope, group_name, name, mask=None,
     ):  # fmt: skip
         y, mean, invstd, stats = torch.ops.tritonbn.batch_norm_forward(
             x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-            activation, negative_slope, group_name,
+            activation, negative_slope, group_name, mask,
         )  # fmt: skip
         keep_residual, keep_output = kept_for_backward(y, residual, Layer(training, momentum, eps, activation,
                                                                            negative_slope))  # fmt: skip
-        ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output)
+        ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output, mask)
         ctx.training, ctx.activation, ctx.negative_slope = training, activation, negative_slope
         ctx.group_name, ctx.has_residual, ctx.name, ctx.eps = group_name, residual is not None, name, eps
         if forward_ad_active():  # forward-mode AD is on: what jvp needs (inputs and statistics only)
+            higher_order.check_unmasked(mask, "forward-mode AD")
             ctx.for_jvp = (x, weight, bias, mean, invstd, stats, residual)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, bias, mean, invstd, stats, residual, output = ctx.saved_tensors
+        x, weight, bias, mean, invstd, stats, residual, output, mask = ctx.saved_tensors
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         need_r = need_r and ctx.has_residual
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True: see higher_order
+            higher_order.check_unmasked(mask, "double backward (create_graph=True)")
             grads = higher_order.backward(_ctx_layer(ctx), ctx.eps, grad_out, x, weight, bias, mean, invstd, residual,
                                           output, (need_x, need_w, need_b, need_r))  # fmt: skip
-            return grads + (None,) * 10
+            return grads + (None,) * 11
         dx, dw, db, dr = torch.ops.tritonbn.batch_norm_backward(
             grad_out, x, weight, bias, mean, invstd, stats, residual, output, ctx.training, ctx.activation,
-            ctx.negative_slope, need_x, need_w, need_b, need_r, ctx.group_name, ctx.name,
+            ctx.negative_slope, need_x, need_w, need_b, need_r, ctx.group_name, ctx.name, mask,
         )  # fmt: skip
         grads = (dx if need_x else None, dw if need_w else None, db if need_b else None, dr if need_r else None)
-        return grads + (None,) * 10
+        return grads + (None,) * 11
 
 
 class SyncBatchNormFunctionForwardAD(SyncBatchNormFunction):

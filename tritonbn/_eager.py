@@ -15,16 +15,17 @@ from tritonbn._passes import backward_pass, forward_pass, kept_for_backward
 class EagerBatchNormFunction(torch.autograd.Function):
     """Autograd over :func:`forward_pass` / :func:`backward_pass` for eager calls.
 
-    ``nondiff`` is ``(ops, layer, running_mean, running_var, num_batches_tracked, stats_sink)``: what the
+    ``nondiff`` is ``(ops, layer, running_mean, running_var, num_batches_tracked, stats_sink, mask)``: what the
     passes need besides the differentiable tensors.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, nondiff):
-        ops, layer, running_mean, running_var, num_batches_tracked, sink = nondiff
+        ops, layer, running_mean, running_var, num_batches_tracked, sink, mask = nondiff
         y, mean, invstd, stats = forward_pass(
-            ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, stats_sink=sink
-        )
+            ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, stats_sink=sink,
+            mask=mask,
+        )  # fmt: skip
         if residual is None or layer.activation is None:
             ctx.save_for_backward(x, weight, bias, mean, invstd, stats)
         else:
@@ -37,6 +38,7 @@ class EagerBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tx, tw, tb, tr, _):
         layer = ctx.nondiff[1]
+        higher_order.check_unmasked(ctx.nondiff[6], "forward-mode AD")
         return higher_order.jvp(layer, layer.eps, *ctx.for_jvp, None, tx, tw, tb, tr)
 
     @staticmethod
@@ -46,12 +48,13 @@ class EagerBatchNormFunction(torch.autograd.Function):
         ops, layer = ctx.nondiff[:2]
         need_x, need_w, need_b, need_r, _ = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph=True: differentiable recompute (see higher_order)
+            higher_order.check_unmasked(ctx.nondiff[6], "double backward (create_graph=True)")
             grads = higher_order.backward(layer, layer.eps, grad_out, x, weight, bias, mean, invstd, residual, output,
                                           (need_x, need_w, need_b, need_r))  # fmt: skip
             return (*grads, None)
         dx, dw, db, dr = backward_pass(
             ops, layer, grad_out, x, weight, bias, mean, invstd, stats, residual, output, need_x, need_w, need_b,
-            need_r,
+            need_r, ctx.nondiff[6],
         )  # fmt: skip
         return dx, dw, db, dr, None
 

@@ -52,13 +52,20 @@ def exporter(compiling: bool) -> str | None:
     return None
 
 
-def lowered(how, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, stats_sink):
+def lowered(how, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, stats_sink,
+            mask=None):  # fmt: skip
     """One call of ``layer`` (a :class:`tritonbn._passes.Layer`) in torch's own ops, for the tracer ``how``.
 
-    The caller has checked the arguments. See the module docstring for what training mode does.
+    The caller has checked the arguments. See the module docstring for what training mode does. A
+    masked call (eval only) writes 0 at the padded positions with ``masked_fill``.
     """
     if stats_sink is not None:
         raise RuntimeError(f"{ACCUMULATE_EAGER_ONLY}; it cannot run under {how}")
+    if layer.training and mask is not None:
+        raise RuntimeError(
+            f"tritonbn: cannot export masked BatchNorm with batch statistics (training mode, or eval without running "
+            f"statistics) under {how}: torch's batch_norm has no mask. Call model.eval() before exporting"
+        )
     if layer.training:
         if layer.group is not None:
             raise RuntimeError(
@@ -98,6 +105,8 @@ def lowered(how, layer, input, weight, bias, running_mean, running_var, num_batc
         y = F.leaky_relu(y, layer.negative_slope)
     elif layer.activation == "silu":
         y = F.silu(y)
+    if mask is not None:
+        y = y.masked_fill(~mask.unsqueeze(1), 0)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

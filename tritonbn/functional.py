@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from tritonbn._checks import ACCUMULATE_EAGER_ONLY, check_call, signature
+from tritonbn._checks import ACCUMULATE_EAGER_ONLY, check_call, mask_from_lengths, signature
 from tritonbn._compat import forward_ad_active, functorch_transforms_active
 from tritonbn._custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD, group_name
 from tritonbn._eager import apply_eager, is_eager, params_need_grad
 from tritonbn._export import exporter, lowered
 from tritonbn._passes import Layer, forward_pass
-from tritonbn.backend import ops_for
+from tritonbn.backend import masked_ops_for, ops_for
 from tritonbn.distributed import check_signature, debug_enabled, resolve_group
 
 
@@ -42,6 +42,7 @@ def batch_norm(
     debug_group=None,
     name: str = "",
     stats_sink: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Checked entry point of :func:`sync_batch_norm`: :func:`run` with a :class:`Layer` made for this call.
 
@@ -51,7 +52,7 @@ def batch_norm(
     """
     layer = Layer(training, momentum, eps, activation, negative_slope, group, debug_group, name)
     return run(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features,
-               stats_sink)  # fmt: skip
+               stats_sink, mask)  # fmt: skip
 
 
 def run(
@@ -65,13 +66,14 @@ def run(
     residual: torch.Tensor | None = None,
     num_features: int | None = None,
     stats_sink: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One call of ``layer`` on these tensors: the checks, then the eager Function, the custom ops, or no autograd.
 
     Every argument a rank can get wrong alone is checked first; with ``TRITONBN_DEBUG=1`` the ranks
     of ``layer.debug_group`` then compare signatures, so that a rank whose input was rejected makes
     every rank raise instead of leaving them waiting in the next collective. ``stats_sink``: see
-    :func:`forward_pass` (eager calls only).
+    :func:`forward_pass` (eager calls only). ``mask``: masked BatchNorm, see :func:`sync_batch_norm`.
     """
     training = layer.training
     debug_group = layer.debug_group
@@ -80,7 +82,8 @@ def run(
     grad_mode = torch.is_grad_enabled()
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
     try:
-        check_call(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features)
+        check_call(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features,
+                   mask)  # fmt: skip
     except (ValueError, TypeError) as error:
         if checking:  # every rank stops here, instead of the others waiting in the next collective
             check_signature(debug_group, "forward", signature(input, training, input_grad), local_error=error,
@@ -91,7 +94,7 @@ def run(
     how = exporter(compiling)  # THE export hook: torch.export, ONNX, jit.trace record torch's own ops
     if how is not None:
         return lowered(how, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
-                       stats_sink)  # fmt: skip
+                       stats_sink, mask)  # fmt: skip
     if compiling or not is_eager(input):
         if stats_sink is not None:
             raise RuntimeError(ACCUMULATE_EAGER_ONLY)
@@ -111,15 +114,15 @@ def run(
             function = SyncBatchNormFunctionForwardAD
         return function.apply(
             input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, layer.momentum,
-            layer.eps, layer.activation, float(layer.negative_slope), group_name(layer.group), layer.name,
+            layer.eps, layer.activation, float(layer.negative_slope), group_name(layer.group), layer.name, mask,
         )  # fmt: skip
-    ops = ops_for(input)
+    ops = ops_for(input) if mask is None else masked_ops_for(input)
     if input_grad or (grad_mode and params_need_grad(weight, bias, residual)) or forward_ad_active():
-        nondiff = (ops, layer, running_mean, running_var, num_batches_tracked, stats_sink)
+        nondiff = (ops, layer, running_mean, running_var, num_batches_tracked, stats_sink, mask)
         return apply_eager(input, weight, bias, residual, nondiff)
     return forward_pass(
         ops, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, save_stats=False,
-        stats_sink=stats_sink,
+        stats_sink=stats_sink, mask=mask,
     )[0]  # fmt: skip
 
 
@@ -138,6 +141,8 @@ def sync_batch_norm(
     residual: torch.Tensor | None = None,
     activation: str | None = None,
     negative_slope: float = 0.01,
+    mask: torch.Tensor | None = None,
+    lengths=None,
 ) -> torch.Tensor:
     """Batch norm whose training statistics cover the global batch of ``process_group``.
 
@@ -150,9 +155,18 @@ def sync_batch_norm(
     The fused epilogue computes ``act(batch_norm(input) + residual)`` inside the kernels:
     ``residual`` is a tensor shaped like ``input`` (it gets its gradient), ``activation`` one of
     ``None``, ``"relu"``, ``"leaky_relu"`` (with ``negative_slope``) or ``"silu"``.
+
+    Masked batch norm, for padded batches: ``mask`` is a bool tensor of shape ``(N, *S)`` (the input's
+    shape without its channel dimension) on the input's device, True at real positions. The statistics
+    (and the running statistics' update) then cover the real positions of the global batch only, and
+    the output and the input's gradient are 0 at the padded ones. For ``(N, C, L)`` inputs ``lengths``
+    (``(N,)`` integers, a tensor or a sequence) builds the mask: position ``l`` of item ``i`` is real when
+    ``l < lengths[i]``.
     """
     group = resolve_group(process_group) if training else None
+    if lengths is not None:
+        mask = mask_from_lengths(input, lengths, mask)
     return batch_norm(
         input, running_mean, running_var, weight, bias, training, momentum, eps, group, num_batches_tracked,
-        residual=residual, activation=activation, negative_slope=negative_slope,
+        residual=residual, activation=activation, negative_slope=negative_slope, mask=mask,
     )  # fmt: skip

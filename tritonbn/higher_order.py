@@ -35,6 +35,15 @@ from tritonbn._numerics import compute_dtype
 from tritonbn.distributed import all_reduce_sum
 
 
+def check_unmasked(mask, what: str) -> None:
+    """Masked BatchNorm has first-order gradients only: ``what`` raises an error naming tritonbn."""
+    if mask is not None:
+        raise RuntimeError(
+            f"tritonbn: masked BatchNorm (mask= or lengths=) does not support {what}; call the layer without a "
+            "mask, or use first-order gradients"
+        )
+
+
 def _reduce(buffer: torch.Tensor, group) -> torch.Tensor:
     """``all_reduce(SUM)`` that autograd differentiates: torch's own, whose backward is the same all-reduce of
     the gradient (every rank's loss depends on every rank's input through the sum), itself differentiable."""

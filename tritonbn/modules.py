@@ -8,7 +8,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn._checks import check_inputs, check_momentum
+from tritonbn._checks import check_inputs, check_momentum, mask_from_lengths
 from tritonbn._export import script_error
 from tritonbn._passes import Layer
 from tritonbn.activations import check_activation
@@ -46,6 +46,11 @@ class SyncBatchNorm(_BatchNorm):
 
     ``activation`` (``None``, ``"relu"``, ``"leaky_relu"`` with ``negative_slope``, ``"silu"``) and
     ``forward(input, residual)`` fuse ``act(bn(input) + residual)`` into the kernels.
+
+    ``forward(input, mask=mask)`` is masked batch norm, for padded batches: ``mask``, a bool tensor of
+    shape ``(N, *S)``, marks the real positions; statistics and running statistics cover those only, and
+    the output and its gradients are 0 at the others. ``lengths=`` (``(N,)`` integers) builds the mask of
+    an ``(N, C, L)`` input. See :func:`tritonbn.sync_batch_norm`.
 
     With ``TRITONBN_DEBUG=1`` each call is identified across ranks by a per-group call counter and
     the layer's identity: its qualified name, such as ``"layer1.0.bn1"``, recorded by
@@ -114,16 +119,20 @@ class SyncBatchNorm(_BatchNorm):
         except KeyError:
             return self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked
 
-    def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        traced = trace_as_leaf(self, input, residual)
+    def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                lengths=None) -> torch.Tensor:  # fmt: skip
+        traced = trace_as_leaf(self, input, residual, mask=mask, lengths=lengths)
         if traced is not None:
             return traced
-        return self._normalize(input, residual)
+        if lengths is not None:
+            mask = mask_from_lengths(input, lengths, mask)
+        return self._normalize(input, residual, mask)
 
     def __prepare_scriptable__(self):  # torch.jit.script's hook: a clear error (tritonbn/_export.py)
         raise script_error(self)
 
-    def _normalize(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _normalize(self, input: torch.Tensor, residual: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The batch norm with its fused epilogue (what subclasses and recalibration build on)."""
         layer = self.__dict__.get(_CALL)
         if layer is None or layer.world is not world():
@@ -142,7 +151,7 @@ class SyncBatchNorm(_BatchNorm):
         accumulator = self._tritonbn_accumulator
         sink = accumulator(input) if accumulator is not None and self.training else None
         return run(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
-                   self.num_features, sink)  # fmt: skip
+                   self.num_features, sink, mask)  # fmt: skip
 
     def _layer(self, batch_stats: bool = False) -> Layer:
         """This layer's :class:`~tritonbn._passes.Layer`, kept until a setting in ``_SETTINGS`` changes.
@@ -184,19 +193,22 @@ class SyncBatchNormAct(SyncBatchNorm):
         self.drop = drop if drop is not None else nn.Identity()
         self.act = act if act is not None else nn.Identity()
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        traced = trace_as_leaf(self, input)
+    def forward(self, input: torch.Tensor, *, mask: torch.Tensor | None = None, lengths=None) -> torch.Tensor:
+        traced = trace_as_leaf(self, input, mask=mask, lengths=lengths)
         if traced is not None:
             return traced
-        return self.act(self.drop(self._normalize(input)))
+        if lengths is not None:
+            mask = mask_from_lengths(input, lengths, mask)
+        y = self.act(self.drop(self._normalize(input, None, mask)))
+        return y if mask is None else y.masked_fill(~mask.unsqueeze(1), 0)  # 0 after any activation too
 
 
-def trace_as_leaf(module: nn.Module, *args) -> fx.Proxy | None:
-    """Under ``torch.fx``, record ``module(*args)`` as one ``call_module`` node and return its proxy.
+def trace_as_leaf(module: nn.Module, *args, **kwargs) -> fx.Proxy | None:
+    """Under ``torch.fx``, record ``module(*args, **kwargs)`` as one ``call_module`` node and return its proxy.
 
     fx's default tracer only keeps ``torch.nn`` modules whole; any other tracer (a subclass with its
     own ``is_leaf_module``, such as torchvision's feature extractor) calls ``forward`` with proxies.
-    Returns ``None`` outside tracing. Trailing ``None`` arguments are left out of the node.
+    Returns ``None`` outside tracing. Trailing ``None`` arguments and ``None`` keywords are left out of the node.
     """
     for proxy in args:  # a plain loop, not next(<genexpr>): torch 2.8's compiler cannot trace ``next``
         if isinstance(proxy, fx.Proxy):
@@ -206,4 +218,5 @@ def trace_as_leaf(module: nn.Module, *args) -> fx.Proxy | None:
     while args and args[-1] is None:
         args = args[:-1]
     tracer = proxy.tracer
-    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, kwargs)
