@@ -21,12 +21,25 @@ import triton.language as tl
 from tritonbn._numerics import compute_dtype
 from tritonbn.activations import ACTIVATIONS
 
+INT32_MAX = 2**31 - 1
+
 
 def acc_dtypes(x: torch.Tensor):
     """The kernels' arithmetic type for ``x`` as ``(triton dtype, torch dtype)``: float64 for float64
     inputs, else float32. Saved invstd, partials and backward sums are kept in it."""
     acc = compute_dtype(x.dtype)
     return (tl.float64 if acc is torch.float64 else tl.float32), acc
+
+
+def channel_view(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Masked BatchNorm's bool ``(N, *S)`` mask as the kernels read it: bytes, ``(N, C, *S)`` with channel stride 0.
+
+    The statistics kernel counts real positions in int32: a rank's ``N * S`` must stay below 2**31.
+    """
+    if x.numel() // max(1, x.shape[1]) > INT32_MAX:
+        raise ValueError(f"tritonbn: a mask covers at most 2**31 - 1 positions (N * S) per rank, got input shape "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    return mask.view(torch.uint8).unsqueeze(1).expand(x.shape)
 
 
 @triton.jit

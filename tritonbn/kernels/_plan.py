@@ -336,17 +336,6 @@ def _plan_cached(
     )
 
 
-def channel_view(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Masked BatchNorm's bool ``(N, *S)`` mask as the kernels read it: bytes, ``(N, C, *S)`` with channel stride 0.
-
-    The statistics kernel counts real positions in int32: a rank's ``N * S`` must stay below 2**31.
-    """
-    if x.numel() // max(1, x.shape[1]) > _INT32_MAX:
-        raise ValueError(f"tritonbn: a mask covers at most 2**31 - 1 positions (N * S) per rank, got input shape "
-                         f"{tuple(x.shape)}")  # fmt: skip
-    return mask.view(torch.uint8).unsqueeze(1).expand(x.shape)
-
-
 def _channels_fastest(strides: tuple[tuple[int, ...], ...]) -> bool:
     return all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
 

@@ -17,6 +17,7 @@ from tritonbn.kernels._common import (
     ACTIVATION_CODES,
     acc_dtypes,
     channel_block,
+    channel_view,
     grad_z,
     lane_channels,
     per_lane,
@@ -29,7 +30,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
 from tritonbn.kernels.backward_reduce import aux_tensor
 from tritonbn.kernels.elemt import empty_like_layout
 

@@ -27,6 +27,7 @@ from tritonbn.kernels._common import (
     AUX_RESIDUAL,
     acc_dtypes,
     channel_block,
+    channel_view,
     grad_z,
     lane_channels,
     merge_tree,
@@ -42,7 +43,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
 from tritonbn.kernels._workspace import workspace
 
 

@@ -33,6 +33,7 @@ from tritonbn.kernels._common import (
     activate,
     channel_block,
     channel_stats,
+    channel_view,
     lane_channels,
     per_lane,
     rounded_for,
@@ -46,7 +47,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
 from tritonbn.kernels._workspace import workspace
 
 

@@ -29,6 +29,7 @@ import triton.language as tl
 from tritonbn.kernels._common import (
     acc_dtypes,
     channel_block,
+    channel_view,
     lane_channels,
     merge_tree,
     per_lane,
@@ -41,7 +42,7 @@ from tritonbn.kernels._common import (
     tile_start,
 )
 from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, channel_view, launch_cache, plan
+from tritonbn.kernels._plan import cache_put, launch_cache, plan
 from tritonbn.kernels._workspace import workspace
 
 
