@@ -104,9 +104,11 @@ MODES = ("train_forward", "backward", "eval_forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("contiguous", "channels_last")
 QUICK_SHAPES = [(32, 256, 14, 14), (32, 2048, 7, 7)]  # 14^2 and 7^2: the NCHW alignment cases
+MASKED_SHAPES = [(32, 256, 499)]  # --masked adds a padded batch of sequences (Conformer's convolution module)
 MAX_REGISTERS = 128
 SM_COUNT = 132  # launches are planned as on a GPU with this many SMs (--sm-count)
 WARP_SIZE = 32  # and this warp size (64: AMD)
+MASKED = False  # audit masked BatchNorm's launches (--masked)
 # SMs (CUs) of the GPU each target is planned as (vendors' specifications): A100 SXM, L40S, H100/H200 SXM,
 # B200, MI250X (one of its two dies), MI300X.
 SMS = {"80": 108, "89": 142, "90": 132, "100": 148, "gfx90a": 110, "gfx942": 304}
@@ -217,7 +219,9 @@ def triton_backend_on_cpu():
 
 
 def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget, compiled: dict):
-    """``{mode: [Launch]}`` of one ``tritonbn.SyncBatchNorm`` layer: training forward, backward, eval forward."""
+    """``{mode: [Launch]}`` of one ``tritonbn.SyncBatchNorm`` layer: training forward, backward, eval forward.
+
+    With ``MASKED`` (``--masked``) the layer is called with a padding mask (masked BatchNorm)."""
     import tritonbn
     from tritonbn.kernels._plan import planned_as
 
@@ -229,14 +233,18 @@ def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget, com
         captured_launches(target, compiled) as launches,
     ):
         bn = tritonbn.SyncBatchNorm(shape[1])  # fp32 parameters, as under autocast
-        x = torch.empty(shape, dtype=dtype, memory_format=memory_format).requires_grad_()
-        y = bn(x)
+        if len(shape) == 3 and layout == "channels_last":  # (N, L, C) in memory, as sequence models hold it
+            x = torch.empty((shape[0], shape[2], shape[1]), dtype=dtype).transpose(1, 2).requires_grad_()
+        else:
+            x = torch.empty(shape, dtype=dtype, memory_format=memory_format).requires_grad_()
+        mask = torch.ones((shape[0], *shape[2:]), dtype=torch.bool) if MASKED else None
+        y = bn(x, mask=mask)
         out["train_forward"], launches[:] = list(launches), []
         y.backward(torch.empty_like(y))
         out["backward"], launches[:] = list(launches), []
         bn.eval()
         with torch.no_grad():
-            bn(x)
+            bn(x, mask=mask)
         out["eval_forward"], launches[:] = list(launches), []
     return out
 
@@ -649,9 +657,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "| ld bits | st bits | round trips | SASS/elem | tail KB | tail iters | tail trips |"
     )
     lines = [
-        f"## Kernel audit ({meta['target']}, compiled without a GPU)",
+        f"## Kernel audit ({meta['target']}, compiled without a GPU"
+        f"{', masked BatchNorm' if meta.get('masked') else ''})",
         "",
-        f"Generated {meta['date']} by `python benchmarks/kernel_audit.py{' --quick' if meta['quick'] else ''}`, "
+        f"Generated {meta['date']} by `python benchmarks/kernel_audit.py{' --quick' if meta['quick'] else ''}"
+        f"{' --masked' if meta.get('masked') else ''}`, "
         f"triton {meta['triton']}, torch {meta['torch']}, target {meta['target']}; "
         f"{meta['rows']} launches, {meta['compilations']} distinct compilations. Launches come from the module "
         f"path planned as on a {meta.get('sm_count', 132)}-SM GPU; the main-loop columns read the SASS "
@@ -998,6 +1008,7 @@ def main(argv=None) -> int:
         help="one-level merge (the last program merges every partial): the tail rule then fails",
     )
     parser.add_argument("--case", help="one shape, dtype and layout only, e.g. 32x256x14x14,bf16,channels_last")
+    parser.add_argument("--masked", action="store_true", help="the layers of masked BatchNorm (a padding mask)")
     args = parser.parse_args(argv)
     why = tools_missing()
     if why:
@@ -1013,13 +1024,15 @@ def main(argv=None) -> int:
         parser.error("--out is required")
     os.makedirs(args.out, exist_ok=True)
     shapes = QUICK_SHAPES if args.quick else [s for s, _ in distinct_bn_shapes(32)]
+    if args.masked:
+        shapes = shapes + MASKED_SHAPES
     dtypes = ("bf16", "fp32") if args.quick else tuple(DTYPES)
     layouts = LAYOUTS
     if args.case:
         shape, dtype, layout = args.case.split(",")
         shapes, dtypes, layouts = [tuple(map(int, shape.split("x")))], (dtype,), (layout,)
-    global SM_COUNT, WARP_SIZE
-    SM_COUNT, WARP_SIZE = args.sm_count or SMS[args.arch], target.warp_size
+    global SM_COUNT, WARP_SIZE, MASKED
+    SM_COUNT, WARP_SIZE, MASKED = args.sm_count or SMS[args.arch], target.warp_size, args.masked
     if args.model:
         if args.arch not in MODEL_DEVICES:
             parser.error(f"--model: no device row for {name} (rows: {', '.join(sorted(MODEL_DEVICES))})")
@@ -1039,6 +1052,7 @@ def main(argv=None) -> int:
         "target": name,
         "sm_count": SM_COUNT,
         "quick": args.quick,
+        "masked": args.masked,
         "rows": len(rows),
         "compilations": compilations,
     }

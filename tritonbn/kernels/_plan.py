@@ -235,7 +235,9 @@ def plan(
 
     ``mask``: masked BatchNorm's ``(N, C, *S)`` view of its ``(N, *S)`` mask (channel stride 0), folded
     with the rest; its strides come last in ``stride_args``. It takes no part in choosing the tile
-    (a channels_last plan stays one) and rules out packed planes, whose lanes span channels. Without
+    (a channels_last plan stays one) and rules out packed planes, whose lanes span channels; its lanes
+    span the inner dim up to 1024 (idle ones included: a tile of many channels and a few lanes would hold
+    too many per-channel values, over 128 registers in the statistics kernel at 7x7). Without
     it ``stride_args`` ends in five zeros, what the kernels take for a mask they do not read.
     """
     if len(shape) < 2:
@@ -297,8 +299,8 @@ def _plan_cached(
     if _channels_fastest(strides[:-1] if masked else strides):  # channels_last: lanes along C are contiguous
         BLOCK_C = min(c_pow2, _MERGE_BLOCK_C if merges and kind[0] == "cuda" else 128)
         BLOCK_I = max(1, min(_next_pow2(inner_size), tile // BLOCK_C))
-    else:  # NCHW and the rest: lanes along the inner dim
-        BLOCK_I = _inner_block(inner_size, min(1024, tile))
+    else:  # NCHW and the rest: lanes along the inner dim (a masked plan's always span it: see plan)
+        BLOCK_I = _inner_block(inner_size, min(1024, tile)) if not masked else min(_next_pow2(inner_size), 1024, tile)
         BLOCK_C = max(1, min(c_pow2, tile // BLOCK_I))
     c_blocks = -(-C // BLOCK_C)
     inner_tiles = max(1, -(-inner_size // BLOCK_I))

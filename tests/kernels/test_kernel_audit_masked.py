@@ -1,0 +1,55 @@
+"""The kernel audit of masked BatchNorm's launches (``benchmarks/kernel_audit.py --quick --masked``), sm_90.
+
+The same rules as the unmasked audit (tests/kernels/test_kernel_audit.py): no spills, at most 128
+registers, the launches of an unmasked layer (a mask adds none), and one memory round trip per main-loop
+iteration wherever the loads are full 16-byte vectors. An odd-length sequence in 16 bits cannot be read
+in vectors (each channel's row starts anywhere): there the unmasked layer takes up to 3 round trips too,
+and the masked one is held to 2.
+"""
+
+import json
+
+import pytest
+from test_kernel_audit import MAX_REGISTERS, _run
+
+
+@pytest.fixture(scope="module")
+def masked_audit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("audit_masked")
+    _run("--quick", "--masked", "--out", str(out))
+    return json.loads((out / "kernel_audit.json").read_text()), (out / "kernel_audit.md").read_text()
+
+
+def test_covers_images_and_sequences(masked_audit):
+    rows, md = masked_audit
+    assert {r["shape"] for r in rows} == {"32x256x14x14", "32x2048x7x7", "32x256x499"}
+    assert {(r["dtype"], r["layout"]) for r in rows} == {(d, lay) for d in ("bf16", "fp32")
+                                                         for lay in ("contiguous", "channels_last")}  # fmt: skip
+    assert all(r["constexprs"].get("HAS_MASK") for r in rows), "every audited launch must be a masked one"
+    assert "masked BatchNorm" in md and "--masked" in md
+
+
+def test_no_spills_and_at_most_128_registers(masked_audit):
+    rows, _ = masked_audit
+    bad = [(r["kernel"], r["shape"], r["dtype"], r["layout"], r["registers"], r["spill_bytes"]) for r in rows
+           if r["spill_bytes"] or r["registers"] > MAX_REGISTERS]  # fmt: skip
+    assert not bad, bad
+
+
+def test_a_mask_adds_no_launch(masked_audit):
+    rows, _ = masked_audit
+    per_pass = {}
+    for r in rows:
+        per_pass.setdefault((r["shape"], r["dtype"], r["layout"], r["mode"]), []).append(r["kernel"])
+    for (*_, mode), kernels in per_pass.items():
+        assert len(kernels) == (1 if mode == "eval_forward" else 2), (mode, kernels)
+
+
+def test_round_trips_per_iteration(masked_audit):
+    rows, _ = masked_audit
+    for r in rows:
+        trips = r["round_trips_per_iteration"]
+        if trips is None:
+            continue
+        limit = 1 if r["load_vector_bits"] == 128 else 2
+        assert trips <= limit, (r["kernel"], r["shape"], r["dtype"], r["layout"], trips, r["load_vector_bits"])
