@@ -273,13 +273,18 @@ def layer_cases():
     rm, rv, w, b, nbt = bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.num_batches_tracked
     ops = backend.ops_for(x)
     layer = _passes.Layer(True, 0.1, 1e-5)
-    spec = (ops, layer, rm, rv, nbt, None)
+    spec = (ops, layer, rm, rv, nbt, None, None)
     fwd = _passes.forward_pass
     bwd = _passes.backward_pass
     apply = _eager.apply_eager
 
     def module():
         bn(x).backward(g)
+
+    mask = torch.ones((SHAPE[0], *SHAPE[2:]), dtype=torch.bool)
+
+    def masked_module():
+        bn(x, mask=mask).backward(g)
 
     def reference():
         ref(x_ref).backward(g)
@@ -359,6 +364,8 @@ def layer_cases():
         "tritonbn": (module, stub),
         "reference": (reference, stub),
         "tritonbn_with_launch": (module, direct),
+        "masked": (masked_module, stub),
+        "masked_with_launch": (masked_module, direct),
         "function": (function, stub),
         "passes": (passes, stub),
         "launchers": (launchers, stub),
@@ -536,6 +543,8 @@ def main(argv=None) -> int:
         "launch_us": (m["tritonbn_with_launch"] - m["tritonbn"]) / launches,
         "tritonbn_with_launch_us": m["tritonbn_with_launch"],
         "ratio_with_launch": ratio_with_launch,
+        "masked_us": m["masked"],
+        "masked_with_launch_us": m["masked_with_launch"],
         "binding_us_per_launch": bound_us / launches,
         "binder_only_us_per_launch": binders_us / binder_launches,
         "tritonbn_with_binding_us": m["tritonbn_bound"],
@@ -603,6 +612,9 @@ def markdown(r: dict) -> str:
         f"**{r['ratio_with_launch']:.2f}** | {n} |",
         f"| training forward+backward, C={C}, stubbed | {total:.1f} | {ref:.1f} | **{r['ratio']:.2f}** "
         f"(per-round quartiles {q1:.2f}–{q3:.2f}) | {n} |",
+        f"| masked (a `mask=` of the batch's shape), with the launch | {r['masked_with_launch_us']:.1f} | {ref:.1f} | "
+        f"{r['masked_with_launch_us'] / ref:.2f} | {n} |",
+        f"| masked, stubbed | {r['masked_us']:.1f} | {ref:.1f} | {r['masked_us'] / ref:.2f} | {n} |",
         f"| the same through Triton's `JITFunction.run` (`kernel[grid](...)`, before the direct launch) | "
         f"{r['tritonbn_with_binding_us']:.1f} | {ref:.1f} | {r['tritonbn_with_binding_us'] / ref:.2f} | {n} |",
         f"| the same through the custom ops (the torch.compile path), stubbed | {r['custom_ops_us']:.1f} | "

@@ -8,7 +8,7 @@ TRITON_INTERPRET unset: under the interpreter the kernels are not compilable obj
 
 ``--arch`` takes targets separated by commas: a CUDA compute capability (80 A100, 89 L40S, 90 H100/H200,
 100 B200) or an AMD architecture (gfx90a MI250X, gfx942 MI300X); ``all`` is those six. ``--smoke`` compiles
-each kernel once per plan (8 specializations), the form the tests use for the targets after the first.
+each kernel once per plan (12 specializations), the form the tests use for the targets after the first.
 Every compile passes the launches' own compile options (``tritonbn._compat.COMPILE_OPTIONS``: FMA fusion
 on); ``--fma-check`` also compiles the forward kernel without fusion and fails unless the launch options
 give it more fused multiply-adds (run it with TRITON_DEFAULT_FP_FUSION=0: the options must win).
@@ -93,15 +93,16 @@ def _pointers(dt: str) -> dict:
     acc_ptr = "*fp64" if dt == "*fp64" else "*fp32"
     return {"x_ptr": dt, "y_ptr": dt, "r_ptr": dt, "stats_ptr": "*fp64", "nbt_ptr": "*i64",
             "mean_ptr": "*fp64", "aux_ptr": dt, "dy_ptr": dt, "dx_ptr": dt, "dr_ptr": dt,
-            "count_ptr": "*fp64", "ticket_ptr": "*i32", "part_ptr": "*fp64", "sums_ptr": acc_ptr,
+            "count_ptr": "*fp64", "ticket_ptr": "*i32", "m_ptr": "*u8", "part_ptr": "*fp64", "sums_ptr": acc_ptr,
             "invstd_ptr": acc_ptr,
             # a module in the input's dtype (.to(dtype)); the kernel audit compiles fp32 ones
             "w_ptr": dt, "b_ptr": dt, "rmean_ptr": dt, "rvar_ptr": dt, "gw_ptr": dt, "gb_ptr": dt}  # fmt: skip
 
 
-# A plane-by-plane plan, and a packed one (7x7 planes, 40 channels per program; see _plan).
-PLANS = [{"BLOCK_C": 32, "BLOCK_I": 64, "VEC": 4, "PLANE": 0, "PACK": 32},
-         {"BLOCK_C": 64, "BLOCK_I": 2048, "VEC": 8, "PLANE": 49, "PACK": 40}]  # fmt: skip
+# A plane-by-plane plan, a packed one (7x7 planes, 40 channels per program; see _plan), and a masked one.
+PLANS = [{"BLOCK_C": 32, "BLOCK_I": 64, "VEC": 4, "PLANE": 0, "PACK": 32, "HAS_MASK": False},
+         {"BLOCK_C": 64, "BLOCK_I": 2048, "VEC": 8, "PLANE": 49, "PACK": 40, "HAS_MASK": False},
+         {"BLOCK_C": 8, "BLOCK_I": 512, "VEC": 1, "PLANE": 0, "PACK": 8, "HAS_MASK": True}]  # fmt: skip
 
 
 def fma_check(target) -> tuple[int, int]:
@@ -141,9 +142,10 @@ def compile_all(target, quick: bool, smoke: bool) -> int:
 def _compile_plan(base, pointers, target, int64, activations, residuals, auxes, trainings=(True, False)) -> int:
     """Every kernel for one plan's constexprs; returns how many specializations were compiled."""
     count = 0
-    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32, UNROLL=2), target, int64)
+    unroll = 1 if base["HAS_MASK"] else 2  # as the launcher: one tile a step for a masked layer
+    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32, UNROLL=unroll), target, int64)
     count += 1
-    if base["PLANE"]:  # a packed plan: one representative variant of each kernel
+    if base["PLANE"] or base["HAS_MASK"]:  # a packed or masked plan: one representative variant of each kernel
         activations, residuals, auxes = activations[-1:], residuals[-1:], auxes[-1:]
     for training, act, residual in itertools.product(trainings, activations, residuals):
         forward = dict(base, TRAINING=training, UPDATE_RUNNING=training, CUMULATIVE=training, HAS_NBT=training,
