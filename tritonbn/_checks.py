@@ -114,8 +114,9 @@ def check_mask(mask, input: torch.Tensor) -> None:
 def mask_from_lengths(input: torch.Tensor, lengths, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The mask of an ``(N, C, L)`` input whose item ``i`` holds ``lengths[i]`` real positions, then padding.
 
-    ``lengths`` on the host (a sequence, or a CPU tensor) is checked here; on a GPU it is checked on the
-    device, with no host synchronization (a failed check is a device-side assertion).
+    ``lengths`` on the host (a sequence, or a CPU tensor) is checked here; on a GPU, or under
+    ``torch.compile``, on the device, with no host synchronization (on a GPU a failed check is a
+    device-side assertion).
     """
     if mask is not None:
         raise ValueError("give mask or lengths, not both")
@@ -132,7 +133,7 @@ def mask_from_lengths(input: torch.Tensor, lengths, mask: torch.Tensor | None = 
             f"lengths must have shape ({N},), one length per item of the batch, got {tuple(lengths.shape)}"
         )
     message = f"lengths must lie in [0, {L}] (the input's last dimension)"
-    if lengths.device.type == "cpu":
+    if lengths.device.type == "cpu" and not torch.compiler.is_compiling():
         if N and not bool(((lengths >= 0) & (lengths <= L)).all()):
             raise ValueError(f"{message}, got {lengths.tolist()}")
     else:

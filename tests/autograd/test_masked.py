@@ -311,3 +311,14 @@ def test_mask_on_another_device_is_rejected():
     bn = make_bn(4)
     with pytest.raises(ValueError, match="mask must be on the input's device"):
         bn(torch.randn(3, 4, 6), mask=torch.ones(3, 6, dtype=torch.bool, device="meta"))
+
+
+def test_lengths_under_compile(backend_name):
+    torch._dynamo.reset()
+    bn = make_bn(4)
+    compiled = torch.compile(lambda x, lengths: bn(x, lengths=lengths), fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 4, 7)
+    y = compiled(x, torch.tensor([7, 3, 0]))
+    assert (y[1, :, 3:] == 0).all() and (y[2] == 0).all() and (y[0] != 0).all()
+    with pytest.raises(RuntimeError, match=r"lengths must lie in \[0, 7\]"):  # checked on the device, no sync
+        compiled(x, torch.tensor([8, 3, 0]))
