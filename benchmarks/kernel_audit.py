@@ -1073,7 +1073,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "kernel_audit.md"), "w") as f:
         f.write(md)
     if args.results:
-        write_section(args.results, "kernel-audit", md)
+        write_section(args.results, "kernel-audit-masked" if args.masked else "kernel-audit", md)
     print("\n".join(summary(rows)))
     print(f"kernel_audit: {len(rows)} rows in {time.time() - t0:.0f} s -> {args.out}/kernel_audit.json and .md")
     return 0

@@ -14,7 +14,7 @@ from tritonbn import higher_order
 from tritonbn._compat import forward_ad_active, resolve_process_group
 from tritonbn._numerics import compute_dtype
 from tritonbn._passes import Layer, backward_pass, forward_pass, kept_for_backward, stats_shape
-from tritonbn.backend import masked_ops_for, ops_for
+from tritonbn.backend import ops_for
 
 
 def group_name(group) -> str:
@@ -52,9 +52,8 @@ def batch_norm_forward(
     In eval ``stats`` is left uninitialized (an op returns tensors). ``mask``: masked BatchNorm.
     """
     layer = Layer(training, momentum, eps, activation, negative_slope, _resolve_name(group_name))
-    ops = ops_for(x) if mask is None else masked_ops_for(x)
     y, mean, invstd, stats = forward_pass(
-        ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask=mask
+        ops_for(x), layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask=mask
     )
     if stats is None:
         stats = x.new_empty(stats_shape(x.shape[1]), dtype=torch.float64)
@@ -97,7 +96,7 @@ def batch_norm_backward(
     """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty."""
     layer = Layer(training, None, 0.0, activation, negative_slope, _resolve_name(group_name), name=name)
     grads = backward_pass(
-        ops_for(x) if mask is None else masked_ops_for(x), layer, grad_out, x, weight, bias, mean, invstd, stats,
+        ops_for(x), layer, grad_out, x, weight, bias, mean, invstd, stats,
         residual, output, input_grad, weight_grad, bias_grad, residual_grad, mask,
     )  # fmt: skip
     return tuple(g if g is not None else x.new_empty(0) for g in grads)  # distinct: op outputs may not alias

@@ -1,4 +1,4 @@
-"""Masked BatchNorm on the PyTorch backend: the four launchers of :mod:`tritonbn._torch_backend` with ``mask=``.
+"""Masked BatchNorm on the PyTorch backend: what the four launchers of :mod:`tritonbn._torch_backend` run for ``mask=``.
 
 ``mask`` is a bool ``(N, *S)`` tensor, True at real positions. What the kernels do in their loops
 (:mod:`tritonbn.kernels`, ``HAS_MASK``) is done here around the unmasked launchers, every step on the

@@ -117,19 +117,18 @@ def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_bat
     ``stats_sink`` (:func:`tritonbn.accumulate_stats`): a ``(2C + 1,)`` fp64 buffer that ``stats``
     is added into, on the device, in place of the running-stat update.
 
-    ``mask`` (masked BatchNorm, ``ops`` from :func:`tritonbn.backend.masked_ops_for`): a bool ``(N, *S)``
-    tensor, True at real positions. Statistics and count cover those; ``y`` is 0 at the others.
+    ``mask`` (masked BatchNorm): a bool ``(N, *S)`` tensor, True at real positions. Statistics and count
+    cover those; ``y`` is 0 at the others.
     """
-    masked = {} if mask is None else {"mask": mask}
     if not layer.training:
         y, mean, invstd = ops.batch_norm_elemt(
             x, weight, bias, running_mean=running_mean, running_var=running_var, eps=layer.eps, residual=residual,
-            activation=layer.activation, negative_slope=layer.negative_slope, save_stats=save_stats, **masked,
+            activation=layer.activation, negative_slope=layer.negative_slope, save_stats=save_stats, mask=mask,
         )  # fmt: skip
         return y, mean, invstd, None
     if current_graph_task_id() != -1:  # in_backward(), inline: the hot path
         running_mean = running_var = num_batches_tracked = None
-    stats = ops.batch_norm_stats(x, **masked)
+    stats = ops.batch_norm_stats(x, mask=mask)
     if layer.group is not None:
         all_reduce_sum(stats, layer.group)
     if stats_sink is not None:  # tritonbn.accumulate_stats: pool the global sums, update nothing now
@@ -138,7 +137,7 @@ def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_bat
     y, mean, invstd = ops.batch_norm_elemt(
         x, weight, bias, stats=stats, running_mean=running_mean, running_var=running_var,
         num_batches_tracked=num_batches_tracked, momentum=layer.momentum, eps=layer.eps, residual=residual,
-        activation=layer.activation, negative_slope=layer.negative_slope, save_stats=save_stats, **masked,
+        activation=layer.activation, negative_slope=layer.negative_slope, save_stats=save_stats, mask=mask,
     )  # fmt: skip
     return y, mean, invstd, stats
 
@@ -153,7 +152,6 @@ def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, re
     is read from (see the module docstring). ``mask``: as in :func:`forward_pass`; both gradients are 0
     at padded positions, and the sums cover the real ones.
     """
-    masked = {} if mask is None else {"mask": mask}
     training, group, activation, slope = layer.training, layer.group, layer.activation, layer.negative_slope
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", signature(x, True, input_grad), name=layer.name)
@@ -161,7 +159,7 @@ def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, re
     if weight_grad or bias_grad or (input_grad and training):
         sums, dw, db = ops.batch_norm_backward_reduce(
             grad_out, x, mean, invstd, weight, weight_grad=weight_grad, bias_grad=bias_grad, bias=bias,
-            activation=activation, negative_slope=slope, residual=residual, output=output, **masked,
+            activation=activation, negative_slope=slope, residual=residual, output=output, mask=mask,
         )  # fmt: skip
     if input_grad or residual_grad:
         if input_grad and training and group is not None:
@@ -171,6 +169,6 @@ def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, re
         dx = ops.batch_norm_backward_elemt(
             grad_out, x, mean, invstd, weight, sums if training else None, stats[-1:] if training else None,
             bias=bias, activation=activation, negative_slope=slope, residual=residual, output=output,
-            input_grad=input_grad, out_grad_residual=dr, **masked,
+            input_grad=input_grad, out_grad_residual=dr, mask=mask,
         )  # fmt: skip
     return dx, dw, db, dr

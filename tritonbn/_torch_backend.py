@@ -156,7 +156,7 @@ def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return torch.sub(x, _per_channel(hi, x), out=torch.empty_like(x, dtype=hi.dtype))
 
 
-def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
+def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`tritonbn.kernels.batch_norm_stats`.
 
     As the kernel: ``d = x - p`` with ``p`` each channel's first element, ``S1 = sum(d)`` and
@@ -165,6 +165,10 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     free of cancellation when ``|mean| >> std``; removing it in fp64 is exact to ~1e-16. 16-bit
     inputs skip the shifted copy (see below): one native pass over ``x`` itself.
     """
+    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
+        from tritonbn import _masked_torch
+
+        return _masked_torch.batch_norm_stats(x, mask=mask)
     C = x.shape[1]
     n = x.numel() // C if C else 0
     if n == 0:
@@ -220,6 +224,7 @@ def batch_norm_elemt(
     activation: str | None = None,
     negative_slope: float = 0.01,
     save_stats: bool = True,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`tritonbn.kernels.batch_norm_elemt`.
 
@@ -229,6 +234,14 @@ def batch_norm_elemt(
     ``weight = scale``, ``bias = shift``, ``mean = hi``, ``var = 1``, ``eps = 0`` (``alpha = scale``,
     ``beta = shift - hi * scale``: exact enough for 16-bit outputs, see the module docstring).
     """
+    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
+        from tritonbn import _masked_torch
+
+        return _masked_torch.batch_norm_elemt(
+            x, weight, bias, mask=mask, stats=stats, running_mean=running_mean, running_var=running_var,
+            num_batches_tracked=num_batches_tracked, momentum=momentum, eps=eps, residual=residual,
+            activation=activation, negative_slope=negative_slope, save_stats=save_stats,
+        )  # fmt: skip
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
@@ -280,6 +293,7 @@ def batch_norm_backward_reduce(
     negative_slope: float = 0.01,
     residual: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`tritonbn.kernels.batch_norm_backward_reduce`.
 
@@ -287,6 +301,13 @@ def batch_norm_backward_reduce(
     then ``sum(dz * xhat) = (sum(dz * (x - hi)) - lo * sum(dz)) * invstd`` in the arithmetic type (its
     operands are the native op's float32 sums: float64 here would add no precision).
     """
+    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
+        from tritonbn import _masked_torch
+
+        return _masked_torch.batch_norm_backward_reduce(
+            grad_out, x, mean, invstd, weight, mask=mask, weight_grad=weight_grad, bias_grad=bias_grad, bias=bias,
+            activation=activation, negative_slope=negative_slope, residual=residual, output=output,
+        )  # fmt: skip
     acc = compute_dtype(x.dtype)
     hi, lo = _split_mean(mean, acc)
     invstd = _to(invstd, acc)
@@ -327,6 +348,7 @@ def batch_norm_backward_elemt(
     output: torch.Tensor | None = None,
     input_grad: bool = True,
     out_grad_residual: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """See :func:`tritonbn.kernels.batch_norm_backward_elemt`.
 
@@ -336,6 +358,14 @@ def batch_norm_backward_elemt(
     16-bit inputs take these steps on float32 copies and round once at the end. In eval,
     ``dx = dz * scale``: one native pass.
     """
+    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
+        from tritonbn import _masked_torch
+
+        return _masked_torch.batch_norm_backward_elemt(
+            grad_out, x, mean, invstd, weight, sums, count, mask=mask, bias=bias, activation=activation,
+            negative_slope=negative_slope, residual=residual, output=output, input_grad=input_grad,
+            out_grad_residual=out_grad_residual,
+        )  # fmt: skip
     if sums is not None and count is None:
         raise ValueError("batch_norm_backward_elemt: sums needs count")
     acc = compute_dtype(x.dtype)

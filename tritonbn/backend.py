@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from tritonbn import _compat, _masked_torch, _torch_backend
+from tritonbn import _compat, _torch_backend
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -95,12 +95,6 @@ def ops_for(x: torch.Tensor) -> ModuleType:
     if _below_floor and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
         raise RuntimeError(why)  # the kernels were asked for (a GPU, or the interpreter): not a silent fallback
     return _torch_backend
-
-
-def masked_ops_for(x: torch.Tensor) -> ModuleType:
-    """:func:`ops_for` for masked BatchNorm: launchers that take ``mask=`` (the kernels take it themselves)."""
-    ops = ops_for(x)
-    return _masked_torch if ops is _torch_backend else ops
 
 
 def name_for(x: torch.Tensor) -> str:

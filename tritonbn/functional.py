@@ -19,7 +19,7 @@ from tritonbn._custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionFor
 from tritonbn._eager import apply_eager, is_eager, params_need_grad
 from tritonbn._export import exporter, lowered
 from tritonbn._passes import Layer, forward_pass
-from tritonbn.backend import masked_ops_for, ops_for
+from tritonbn.backend import ops_for
 from tritonbn.distributed import check_signature, debug_enabled, resolve_group
 
 
@@ -116,7 +116,7 @@ def run(
             input, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, layer.momentum,
             layer.eps, layer.activation, float(layer.negative_slope), group_name(layer.group), layer.name, mask,
         )  # fmt: skip
-    ops = ops_for(input) if mask is None else masked_ops_for(input)
+    ops = ops_for(input)
     if input_grad or (grad_mode and params_need_grad(weight, bias, residual)) or forward_ad_active():
         nondiff = (ops, layer, running_mean, running_var, num_batches_tracked, stats_sink, mask)
         return apply_eager(input, weight, bias, residual, nondiff)

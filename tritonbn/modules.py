@@ -121,9 +121,10 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
                 lengths=None) -> torch.Tensor:  # fmt: skip
-        traced = trace_as_leaf(self, input, residual, mask=mask, lengths=lengths)
-        if traced is not None:
-            return traced
+        if type(input) is not torch.Tensor or (residual is not None and type(residual) is not torch.Tensor):
+            traced = trace_as_leaf(self, input, residual, mask=mask, lengths=lengths)  # a Proxy: under torch.fx
+            if traced is not None:
+                return traced
         if lengths is not None:
             mask = mask_from_lengths(input, lengths, mask)
         return self._normalize(input, residual, mask)

@@ -180,7 +180,7 @@ def _model(masked=True):
 
 def _rank_conformer(rank, world, out_dir):
     model = nn.parallel.DistributedDataParallel(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     outs = []
     for step in range(3):
         x, mask = _padded(_sequences(step)[rank])
@@ -214,7 +214,7 @@ def test_conformer_module_under_ddp(backend):
         spawn(WORLD, _rank_conformer, out_dir)
         ranks = load_ranks(out_dir, WORLD)
     ref = _model()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.01)
     for step in range(3):
         seqs, targets = _sequences(step), _targets(step)
         ys, loss = _reference_step(ref, [s for r in seqs for s in r], [t for r in targets for t in r])
@@ -225,9 +225,12 @@ def test_conformer_module_under_ddp(backend):
             for i, n in enumerate(LENGTHS[rank]):
                 torch.testing.assert_close(ranks[rank][step]["y"][i, :, :n], ys[k][0], atol=1e-10, rtol=1e-10)
                 k += 1
+        # float64 rounding, relative to the largest gradient (a bias before the BatchNorm has a gradient of
+        # exactly 0 in exact arithmetic: what is left of it is rounding of the other terms)
+        atol = 1e-12 * max(float(p.grad.abs().max()) for p in ref.parameters())
         for rank in range(WORLD):
             for got, p in zip(ranks[rank][step]["grads"], ref.parameters(), strict=True):
-                torch.testing.assert_close(got, p.grad, atol=1e-10, rtol=1e-10)
+                torch.testing.assert_close(got, p.grad, atol=atol, rtol=1e-10)
         opt.step()
     for rank in range(WORLD):
         for key, value in ref.state_dict().items():
