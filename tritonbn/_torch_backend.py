@@ -72,13 +72,16 @@ def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _constants_for(C: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``(zeros (C,), ones (C,), empty, empty)`` made once per (C, dtype, device); the native calls read them
-    (the empties are the unused ``save_mean`` / ``save_invstd`` outputs of an eval-mode ``out=`` call)."""
+    (the empties are the unused ``save_mean`` / ``save_invstd`` outputs of an eval-mode ``out=`` call).
+    Made as normal tensors even inside ``torch.inference_mode``, so that calls outside it can use them."""
     key = (C, dtype, device)
     consts = _constants.get(key)
     if consts is None:
         options = {"dtype": dtype, "device": device}
-        consts = _constants[key] = (torch.zeros(C, **options), torch.ones(C, **options), torch.empty(0, **options),
-                                    torch.empty(0, **options))  # fmt: skip
+        with torch.inference_mode(False):
+            consts = (torch.zeros(C, **options), torch.ones(C, **options), torch.empty(0, **options),
+                      torch.empty(0, **options))  # fmt: skip
+        _constants[key] = consts
     return consts
 
 
@@ -167,13 +170,19 @@ def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, t
     """
     if acc == torch.float64:
         return mean64, None
-    last = _split[0]
-    if last is not None and last[0] is mean64 and last[1] == mean64._version and last[2] == acc:
+    last, version = _split[0], _version(mean64)
+    if last is not None and last[0] is mean64 and version is not None and last[1] == version and last[2] == acc:
         return last[3], last[4]
     hi = mean64.to(acc)
     lo = (mean64 - hi).to(acc)
-    _split[0] = (mean64, mean64._version, acc, hi, lo)
+    _split[0] = (mean64, version, acc, hi, lo)
     return hi, lo
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change); ``None`` for an inference tensor, which has
+    none (made under ``torch.inference_mode``): such tensors are never handed over."""
+    return None if t.is_inference() else t._version
 
 
 def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -202,7 +211,7 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     p = _to(x.as_strided((C,), (x.stride(1),)), acc)  # each channel's first element (x[0, :, 0, ...])
     if x.dtype == acc:
         d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
-        _shifted.entry = (x, x._version, d)  # batch_norm_elemt writes y over d (see _take_shifted)
+        _shifted.entry = (x, _version(x), d)  # batch_norm_elemt writes y over d (see _take_shifted)
         # native_batch_norm_backward(dy=d, x=d, mean=0, invstd=1): S1 = sum(d), S2 = sum(d * d), one read of d
         s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
         s1, s2, p = torch.stack((s1, s2, p)).double().unbind()  # the shift comes off in fp64, as in the kernel
@@ -231,7 +240,7 @@ def _take_shifted(x: torch.Tensor) -> torch.Tensor | None:
         return None
     _shifted.entry = None
     src, version, d = entry
-    return d if src is x and version == x._version else None
+    return d if src is x and version is not None and version == _version(x) else None
 
 
 def _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum) -> None:

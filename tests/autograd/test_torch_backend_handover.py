@@ -92,3 +92,25 @@ def test_running_stats_in_16_bit_buffers(backend_name, momentum):
         torch.testing.assert_close(bn.running_mean.double(), ref.running_mean, atol=2e-2, rtol=8e-3)
         torch.testing.assert_close(bn.running_var.double(), ref.running_var, atol=2e-2, rtol=8e-3)
     assert bn.num_batches_tracked.item() == 3
+
+
+@pytest.mark.parametrize("backend_name", ["torch"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("training", [True, False])
+def test_inference_mode_then_autograd(backend_name, dtype, training):
+    """Under ``torch.inference_mode`` (inference tensors have no version counter, so nothing is handed
+    over: the float32 forward forms ``x - hi`` itself), then outside it with autograd: the same results to
+    rounding, and nothing made inside (the cached constants) blocks the call outside."""
+    torch.manual_seed(3)
+    a, b = tritonbn.SyncBatchNorm(6).to(dtype), tritonbn.SyncBatchNorm(6).to(dtype)
+    a.train(training)
+    b.train(training)
+    with torch.inference_mode():
+        x = torch.randn(4, 6, 3, 3).to(dtype)  # an inference tensor
+        ya = a(x)
+    xb = x.clone().requires_grad_()
+    yb = b(xb)
+    yb.sum().backward()
+    torch.testing.assert_close(ya, yb.detach(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.running_mean, b.running_mean) and torch.equal(a.running_var, b.running_var)
+    assert xb.grad is not None
