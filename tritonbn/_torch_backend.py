@@ -281,10 +281,13 @@ def batch_norm_elemt(
     """See :func:`tritonbn.kernels.batch_norm_elemt`.
 
     ``y = act((x - hi) * scale + shift + residual)`` with ``shift = bias - lo * scale``, as the kernel:
-    ``x - hi`` formed first (one pass), then :func:`_scale_shift_` in place (one pass). 16-bit inputs
-    without an epilogue take one native pass instead, ``torch.native_batch_norm`` in eval mode with
-    ``weight = scale``, ``bias = shift``, ``mean = hi``, ``var = 1``, ``eps = 0`` (``alpha = scale``,
-    ``beta = shift - hi * scale``: exact enough for 16-bit outputs, see the module docstring).
+    ``x - hi`` formed first (one pass), then :func:`_scale_shift_` in place (one pass). In training, when
+    :func:`batch_norm_stats` left this ``x``'s shifted copy ``d = x - p`` (float32 / float64), ``y`` is
+    :func:`_scale_shift_` over ``d`` itself with ``shift = bias - (mean - p) * scale`` (fp64, rounded
+    once): one pass, no new buffer. 16-bit inputs without an epilogue take one native pass instead,
+    ``torch.native_batch_norm`` in eval mode with ``weight = scale``, ``bias = shift``, ``mean = hi``,
+    ``var = 1``, ``eps = 0`` (``alpha = scale``, ``beta = shift - hi * scale``: exact enough for 16-bit
+    outputs, see the module docstring).
     """
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
