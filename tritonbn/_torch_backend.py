@@ -17,11 +17,27 @@ small ones, and the per-channel work is a few small ops on ``(C,)`` tensors:
   one pass (:func:`_scale_shift_`, in place);
 * ``x - hi``: one ``torch.sub``, and ``dz - k * (x - hi)``: one ``torch.addcmul`` into that buffer.
 
+A float32 / float64 training forward makes three passes and one activation-sized buffer: ``d = x - p``
+(``torch.sub``, the statistics' shifted copy), the sums over ``d`` (one native reduction), and ``y`` written
+over ``d`` by one native pass, ``y = d * scale + (bias - (mean - p) * scale)`` with the shift formed in
+fp64 and rounded once (:func:`_take_shifted` hands ``d`` from the statistics to the output). The
+backward makes four: the sums, then ``x - hi``, ``dz - k * (x - hi)`` and the scale and shift in place.
+
+The per-channel work (``(C,)`` tensors) is what small layers pay: each such op costs a few µs of
+dispatch, whatever ``C``. So the running statistics are one ``torch.addcmul`` per buffer (computed in
+fp64, written into the buffer), the backward's ``(hi, lo)`` split of the saved mean is made once for
+both launchers (:func:`_split_mean`), the weight and bias gradients are the sums themselves (not
+copies of the packed buffer), and ``c = -m * scale`` is left to the native pass (its ``mean``).
+
 Precision, the rule behind each choice: where ``|mean| / std`` may be large (float32 and float64
-inputs; the tests go to 1e3), ``x - hi`` is formed first, exactly as the kernels do (exact by
-Sterbenz wherever ``x`` is within a factor 2 of ``hi``), and only that small difference is scaled:
-the affine form ``x * alpha + beta`` would round ``x * alpha`` and ``beta`` at ``|mean| / std``
-times the precision of the result. For float16 / bfloat16 inputs the forward takes the affine form
+inputs; the tests go to 1e3), a difference of ``x`` and a per-channel value near the mean is formed
+first, exactly as the kernels do (exact by Sterbenz wherever ``x`` is within a factor 2 of it), and
+only that small difference is scaled: the affine form ``x * alpha + beta`` would round ``x * alpha``
+and ``beta`` at ``|mean| / std`` times the precision of the result. The forward's value is the
+statistics' shift ``p`` (each channel's first element): ``d * scale`` and ``(mean - p) * scale`` are
+then of the size ``K = |p - mean| / std``, so ``y`` is exact to ``K`` roundings, where the kernels'
+own shifted variance already carries ``K^2`` (the kernels take ``x - hi``; both agree to rounding
+wherever the shifted statistics do). For float16 / bfloat16 inputs the forward takes the affine form
 in float32 (one native pass): its error, ``2^-24 |mean| / std``, stays far below the output's own
 rounding (``2^-8`` for bfloat16, ``2^-11`` for float16) at every ``|mean| / std`` that 8 or 11 bits
 of input can resolve, so results agree with the kernels' to the output's rounding. The sums are
@@ -34,6 +50,8 @@ The fused epilogue (residual and activation) takes the same fast steps where it 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from tritonbn._numerics import compute_dtype
@@ -41,6 +59,8 @@ from tritonbn.activations import check_output_gives_grad
 
 _aten = torch.ops.aten
 _constants: dict = {}
+_shifted = threading.local()  # batch_norm_stats's x - p, for batch_norm_elemt to write y over (_take_shifted)
+_split: list = [None]  # the last (mean, version, acc, hi, lo) of _split_mean: backward's two launchers share it
 
 
 _ONES = {d: (1,) * (d - 2) for d in range(2, 6)}
@@ -52,13 +72,16 @@ def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _constants_for(C: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``(zeros (C,), ones (C,), empty, empty)`` made once per (C, dtype, device); the native calls read them
-    (the empties are the unused ``save_mean`` / ``save_invstd`` outputs of an eval-mode ``out=`` call)."""
+    (the empties are the unused ``save_mean`` / ``save_invstd`` outputs of an eval-mode ``out=`` call).
+    Made as normal tensors even inside ``torch.inference_mode``, so that calls outside it can use them."""
     key = (C, dtype, device)
     consts = _constants.get(key)
     if consts is None:
         options = {"dtype": dtype, "device": device}
-        consts = _constants[key] = (torch.zeros(C, **options), torch.ones(C, **options), torch.empty(0, **options),
-                                    torch.empty(0, **options))  # fmt: skip
+        with torch.inference_mode(False):
+            consts = (torch.zeros(C, **options), torch.ones(C, **options), torch.empty(0, **options),
+                      torch.empty(0, **options))  # fmt: skip
+        _constants[key] = consts
     return consts
 
 
@@ -140,11 +163,26 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(hi, lo)`` in ``acc`` with ``hi + lo = mean64`` to fp64 precision; ``lo`` is ``None`` (0) for fp64."""
+    """``(hi, lo)`` in ``acc`` with ``hi + lo = mean64`` to fp64 precision; ``lo`` is ``None`` (0) for fp64.
+
+    The last split is kept (``_split``, keyed by the tensor itself and its version): both backward
+    launchers split the same saved mean.
+    """
     if acc == torch.float64:
         return mean64, None
+    last, version = _split[0], _version(mean64)
+    if last is not None and last[0] is mean64 and version is not None and last[1] == version and last[2] == acc:
+        return last[3], last[4]
     hi = mean64.to(acc)
-    return hi, (mean64 - hi).to(acc)
+    lo = (mean64 - hi).to(acc)
+    _split[0] = (mean64, version, acc, hi, lo)
+    return hi, lo
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change); ``None`` for an inference tensor, which has
+    none (made under ``torch.inference_mode``): such tensors are never handed over."""
+    return None if t.is_inference() else t._version
 
 
 def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -177,6 +215,7 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> to
     p = _to(x.as_strided((C,), (x.stride(1),)), acc)  # each channel's first element (x[0, :, 0, ...])
     if x.dtype == acc:
         d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
+        _shifted.entry = (x, _version(x), d)  # batch_norm_elemt writes y over d (see _take_shifted)
         # native_batch_norm_backward(dy=d, x=d, mean=0, invstd=1): S1 = sum(d), S2 = sum(d * d), one read of d
         s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
         s1, s2, p = torch.stack((s1, s2, p)).double().unbind()  # the shift comes off in fp64, as in the kernel
@@ -193,18 +232,36 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> to
     return torch.cat((sum_x, sum_x2, sum_x.new_full((1,), n)))
 
 
+def _take_shifted(x: torch.Tensor) -> torch.Tensor | None:
+    """The ``x - p`` that :func:`batch_norm_stats` made from this very ``x`` (unchanged since), or ``None``.
+
+    Handed over once, through a per-thread slot: :func:`batch_norm_elemt` writes ``y`` over it, in place,
+    so the forward allocates one activation-sized buffer, as ``nn.BatchNorm2d``'s does. Any other
+    sequence (stats of several tensors, then their elemts) finds no match and forms ``x - hi`` itself.
+    """
+    entry = getattr(_shifted, "entry", None)
+    if entry is None:
+        return None
+    _shifted.entry = None
+    src, version, d = entry
+    return d if src is x and version is not None and version == _version(x) else None
+
+
 def _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum) -> None:
     """The running-stat update in fp64, as the kernels: ``r + factor * (value - r)``, the variance unbiased.
 
-    ``factor`` is 0 when every rank was empty (count 0), which leaves the buffers as they were (a
-    lerp by 0), and ``num_batches_tracked`` grows by 1 only when the count is positive.
+    One ``torch.addcmul`` per buffer, written into it: its operands promote to fp64 (``value`` is
+    fp64), so the update is computed in fp64 and rounded once into the buffer's dtype. ``factor`` is
+    0 when every rank was empty (count 0), which leaves the buffers as they were, and
+    ``num_batches_tracked`` grows by 1 only when the count is positive.
     """
     if momentum is None:
         factor = n.clamp(max=1.0).div_(num_batches_tracked + 1)
     else:
         factor = n.clamp(max=1.0).mul_(float(momentum))
-    running_mean.copy_(torch.lerp(_to(running_mean, torch.float64), mean64, factor))
-    running_var.copy_(torch.lerp(_to(running_var, torch.float64), var64 * n / (n - 1.0).clamp_min_(1.0), factor))
+    torch.addcmul(running_mean, factor, mean64 - running_mean, out=running_mean)
+    unbiased = var64 * (n / (n - 1.0).clamp_min_(1.0))
+    torch.addcmul(running_var, factor, unbiased - running_var, out=running_var)
     if num_batches_tracked is not None:
         num_batches_tracked.add_(n > 0.0)
 
@@ -229,10 +286,13 @@ def batch_norm_elemt(
     """See :func:`tritonbn.kernels.batch_norm_elemt`.
 
     ``y = act((x - hi) * scale + shift + residual)`` with ``shift = bias - lo * scale``, as the kernel:
-    ``x - hi`` formed first (one pass), then :func:`_scale_shift_` in place (one pass). 16-bit inputs
-    without an epilogue take one native pass instead, ``torch.native_batch_norm`` in eval mode with
-    ``weight = scale``, ``bias = shift``, ``mean = hi``, ``var = 1``, ``eps = 0`` (``alpha = scale``,
-    ``beta = shift - hi * scale``: exact enough for 16-bit outputs, see the module docstring).
+    ``x - hi`` formed first (one pass), then :func:`_scale_shift_` in place (one pass). In training, when
+    :func:`batch_norm_stats` left this ``x``'s shifted copy ``d = x - p`` (float32 / float64), ``y`` is
+    :func:`_scale_shift_` over ``d`` itself with ``shift = bias - (mean - p) * scale`` (fp64, rounded
+    once): one pass, no new buffer. 16-bit inputs without an epilogue take one native pass instead,
+    ``torch.native_batch_norm`` in eval mode with ``weight = scale``, ``bias = shift``, ``mean = hi``,
+    ``var = 1``, ``eps = 0`` (``alpha = scale``, ``beta = shift - hi * scale``: exact enough for 16-bit
+    outputs, see the module docstring).
     """
     if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
         from tritonbn import _masked_torch
@@ -258,22 +318,31 @@ def batch_norm_elemt(
     else:  # copies: the saved mean is an output of its own, never the running buffer
         mean64, var64 = running_mean.to(torch.float64, copy=True), running_var.to(torch.float64)
     invstd = _to((var64 + eps).rsqrt_(), acc)
-    hi, lo = _split_mean(mean64, acc)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
-    shift = _to(bias, acc) if bias is not None else _constants_for(C, acc, x.device)[0]
-    if lo is not None:
-        shift = torch.addcmul(shift, lo, scale, value=-1.0)
-    if x.dtype != acc and residual is None and activation is None and x.numel():
-        # 16-bit: native_batch_norm in eval mode, y = x * scale + (shift - hi * scale) in fp32, rounded once
-        y = torch.native_batch_norm(x, scale, shift, hi, _constants_for(C, acc, x.device)[1], False, 0.0, 0.0)[0]
-        if y.stride() != x.stride():  # a layout the native kernel does not keep (neither contiguous nor channels_last)
-            y = torch.empty_like(x).copy_(y)
-    else:  # torch.sub (exact near hi), then native_batch_norm in eval mode over its own output
-        z = _scale_shift_(_subtract(x, hi), scale, shift)
-        if residual is not None:
-            z.add_(residual)
-        z = _activate_(z, activation, negative_slope)
-        y = z if z.dtype == x.dtype else torch.empty_like(x).copy_(z)
+    d = _take_shifted(x) if training else None
+    if d is not None:
+        # d = x - p from the statistics: y = d * scale + (bias - (mean - p) * scale), the shift in fp64 and
+        # rounded once, by native_batch_norm in eval mode over d itself (see the module docstring)
+        m = mean64 - x.as_strided((C,), (x.stride(1),))
+        shift = torch.addcmul(bias, m, scale, value=-1.0) if bias is not None else m.mul_(scale).neg_()
+        z = _scale_shift_(d, scale, _to(shift, acc))
+    else:
+        hi, lo = _split_mean(mean64, acc)
+        shift = _to(bias, acc) if bias is not None else _constants_for(C, acc, x.device)[0]
+        if lo is not None:
+            shift = torch.addcmul(shift, lo, scale, value=-1.0)
+        if x.dtype != acc and residual is None and activation is None and x.numel():
+            # 16-bit: native_batch_norm in eval mode, y = x * scale + (shift - hi * scale) in fp32, rounded once
+            ones = _constants_for(C, acc, x.device)[1]
+            y = torch.native_batch_norm(x, scale, shift, hi, ones, False, 0.0, 0.0)[0]
+            if y.stride() != x.stride():  # a layout the native kernel does not keep (not contiguous, not NHWC)
+                y = torch.empty_like(x).copy_(y)
+            return (y, None, None) if not save_stats else (y, mean64, invstd)
+        z = _scale_shift_(_subtract(x, hi), scale, shift)  # torch.sub (exact near hi), then native_batch_norm
+    if residual is not None:
+        z.add_(residual)
+    z = _activate_(z, activation, negative_slope)
+    y = z if z.dtype == x.dtype else torch.empty_like(x).copy_(z)
     if not save_stats:
         return y, None, None
     return y, mean64, invstd
@@ -322,13 +391,11 @@ def batch_norm_backward_reduce(
         dz = _grad_z(_to(grad_out, acc), xc, scale, bias, x, activation, negative_slope, residual, output)
         sum_dz, sum_dzx = _channel_sums(dz, xc, _constants_for(x.shape[1], acc, x.device)[0])
         lo = None
-    if lo is None:
-        sums = torch.stack((sum_dz, sum_dzx * invstd))
-    else:
-        sums = torch.stack((sum_dz, torch.addcmul(sum_dzx, lo, sum_dz, value=-1.0).mul_(invstd)))
+    sum_dzxhat = sum_dzx.mul_(invstd) if lo is None else torch.addcmul(sum_dzx, lo, sum_dz, value=-1.0).mul_(invstd)
+    sums = torch.stack((sum_dz, sum_dzxhat))  # a copy: the all-reduce changes it, the gradients keep their own
     gdtype = weight.dtype if weight is not None else acc
-    grad_weight = sums[1].to(gdtype, copy=True) if weight_grad else None
-    grad_bias = sums[0].to(gdtype, copy=True) if bias_grad else None
+    grad_weight = _to(sum_dzxhat, gdtype) if weight_grad else None
+    grad_bias = _to(sum_dz, gdtype) if bias_grad else None
     return sums, grad_weight, grad_bias
 
 
@@ -391,13 +458,16 @@ def batch_norm_backward_elemt(
             return dx if dx.stride() == x.stride() else torch.empty_like(x).copy_(dx)
         return torch.mul(dz, _per_channel(scale, x), out=torch.empty_like(x))
     mean_dz, k = (sums * count.clamp_min(1.0).reciprocal_().to(acc)).unbind()
-    k = k * invstd
-    c = (k * lo - mean_dz) * scale if lo is not None else -mean_dz * scale
+    k = k.mul_(invstd)
+    m = torch.addcmul(mean_dz, k, lo, value=-1.0) if lo is not None else mean_dz  # c = -m * scale
     if x.dtype == acc:
         t = _subtract(x, hi)  # torch.sub: exact near hi, as the kernel's x - hi
     else:  # 16-bit: in float32 copies (mixed-dtype TensorIterator ops are many times slower than two casts)
         t = x.to(acc).sub_(_per_channel(hi, x))
         dz = dz.to(acc)
-    torch.addcmul(dz, t, _per_channel(-k, x), out=t)  # dz - k * (x - hi), in place
-    _scale_shift_(t, scale, c)  # (.) * scale + c: native_batch_norm in eval mode over its own input
+    torch.addcmul(dz, t, _per_channel(k, x), value=-1.0, out=t)  # dz - k * (x - hi), in place
+    # (.) * scale - m * scale: native_batch_norm in eval mode over its own input, mean = m, var = 1, eps = 0
+    if t.numel():
+        zeros, ones, e1, e2 = _constants_for(x.shape[1], acc, x.device)
+        torch.native_batch_norm(t, scale, zeros, m, ones, False, 0.0, 0.0, out=(t, e1, e2))
     return t if t.dtype == x.dtype else t.to(x.dtype)

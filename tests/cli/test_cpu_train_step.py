@@ -66,3 +66,13 @@ def test_script_fails_above_max_ratio(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert "exceeds --max-ratio 0.01" in result.stderr
     assert "ddp_ratio" not in json.loads(out.read_text())["results"][0]
+
+
+def test_script_times_the_batchnorm_layers_alone(tmp_path):
+    result, out = _run(tmp_path, "--layouts", "contiguous", "--no-ddp", "--bn-layers")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["bn_layers"] == BN_LAYERS["mobilenet"]
+    assert row["bn_plain_ms"] > 0 and row["bn_tritonbn_ms"] > 0
+    assert row["bn_extra_us_per_layer"] == pytest.approx(1e3 * (row["bn_tritonbn_ms"] - row["bn_plain_ms"]) / 34)
+    assert "extra per layer" in result.stdout
