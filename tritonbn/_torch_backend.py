@@ -55,111 +55,20 @@ import threading
 import torch
 
 from tritonbn._numerics import compute_dtype
-from tritonbn.activations import check_output_gives_grad
+from tritonbn._torch_ops import (
+    _activate_,
+    _channel_sums,
+    _constants_for,
+    _grad_z,
+    _per_channel,
+    _scale_shift_,
+    _subtract,
+    _to,
+)
 
 _aten = torch.ops.aten
-_constants: dict = {}
 _shifted = threading.local()  # batch_norm_stats's x - p, for batch_norm_elemt to write y over (_take_shifted)
 _split: list = [None]  # the last (mean, version, acc, hi, lo) of _split_mean: backward's two launchers share it
-
-
-_ONES = {d: (1,) * (d - 2) for d in range(2, 6)}
-
-
-def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return v.view((1, -1) + _ONES[x.dim()])
-
-
-def _constants_for(C: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``(zeros (C,), ones (C,), empty, empty)`` made once per (C, dtype, device); the native calls read them
-    (the empties are the unused ``save_mean`` / ``save_invstd`` outputs of an eval-mode ``out=`` call).
-    Made as normal tensors even inside ``torch.inference_mode``, so that calls outside it can use them."""
-    key = (C, dtype, device)
-    consts = _constants.get(key)
-    if consts is None:
-        options = {"dtype": dtype, "device": device}
-        with torch.inference_mode(False):
-            consts = (torch.zeros(C, **options), torch.ones(C, **options), torch.empty(0, **options),
-                      torch.empty(0, **options))  # fmt: skip
-        _constants[key] = consts
-    return consts
-
-
-def _channel_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum(dy), sum(dy * (x - mean)))`` per channel, in one pass: ``aten.native_batch_norm_backward``.
-
-    With ``invstd = 1`` its ``grad_weight`` is ``sum(dy * (x - mean))`` and its ``grad_bias`` is
-    ``sum(dy)``; ``grad_input`` is not asked for, so nothing activation-sized is written. ``x - mean``
-    is formed per element before the product (as in the kernels), and the sums accumulate in
-    float32 (float64 for float64 inputs; in double across the planes of contiguous inputs), the
-    kernels' per-lane precision. ``mean`` has the arithmetic type of ``x`` (float32 for 16-bit ``x``:
-    torch's mixed-type path).
-    """
-    if x.numel() == 0:  # the native kernels divide by the batch size: an empty rank's sums are zeros
-        zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
-        return zeros, zeros.clone()
-    if x.dtype != mean.dtype and not (_native_layout(x) and dy.stride() == x.stride()):
-        # torch's generic (strided) path sums 16-bit tensors in their own type: give it float32 copies
-        x32 = x.to(mean.dtype)
-        dy, x = (x32 if dy is x else dy.to(mean.dtype)), x32
-    ones = _constants_for(x.shape[1], mean.dtype, x.device)[1]
-    _, dotp, total = _aten.native_batch_norm_backward(dy, x, None, None, None, mean, ones, True, 0.0,
-                                                      [False, True, True])  # fmt: skip
-    return total, dotp
-
-
-def _native_layout(t: torch.Tensor) -> bool:
-    """Whether the native batch-norm kernels take their fast path on ``t``: contiguous or channels_last."""
-    return (
-        t.is_contiguous()
-        or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
-        or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
-    )
-
-
-def _scale_shift_(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``t = t * scale + shift`` per channel, in place, in one pass: ``torch.native_batch_norm`` in eval
-    mode with ``mean = 0``, ``var = 1``, ``eps = 0`` (so ``alpha = scale`` and ``beta = shift`` exactly),
-    written over its own input (``out=``: an elementwise kernel reads each element before writing it).
-    """
-    if t.numel():
-        zeros, ones, e1, e2 = _constants_for(t.shape[1], t.dtype, t.device)
-        torch.native_batch_norm(t, scale, shift, zeros, ones, False, 0.0, 0.0, out=(t, e1, e2))
-    return t
-
-
-def _activate_(z: torch.Tensor, activation: str | None, slope: float) -> torch.Tensor:
-    """act(z) in place (relu and silu propagate NaN, as the kernels do)."""
-    if activation == "relu":
-        return z.relu_()
-    if activation == "leaky_relu":
-        return torch.nn.functional.leaky_relu_(z, slope)
-    if activation == "silu":
-        return torch.nn.functional.silu(z, inplace=True)
-    return z
-
-
-def _grad_z(dy, xc, scale, bias, x, activation, slope, residual, output):
-    """dz = dy * act'(z), z read from ``output`` (its sign) or recomputed; as the kernels do."""
-    if activation is None:
-        return dy
-    if output is not None:
-        check_output_gives_grad(activation, slope)
-        z = output.to(xc.dtype)
-    else:
-        z = xc * _per_channel(scale, x) + (_per_channel(bias.to(xc.dtype), x) if bias is not None else 0.0)
-        if residual is not None:
-            z = z + residual.to(xc.dtype)
-    if activation == "relu":
-        return torch.where(z > 0, dy, torch.zeros_like(dy))
-    if activation == "leaky_relu":
-        return torch.where(z > 0, dy, dy * slope)
-    s = torch.sigmoid(z)
-    return dy * s * (1.0 + z * (1.0 - s))
-
-
-def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -183,15 +92,6 @@ def _version(t: torch.Tensor) -> int | None:
     """``t``'s version counter (bumped by every in-place change); ``None`` for an inference tensor, which has
     none (made under ``torch.inference_mode``): such tensors are never handed over."""
     return None if t.is_inference() else t._version
-
-
-def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``x - hi`` per channel in the arithmetic type (``hi``'s), laid out like ``x``: one pass, one allocation.
-
-    ``x - hi`` is exact wherever ``x`` lies within a factor 2 of ``hi`` (Sterbenz): what keeps fp32
-    precision when ``|mean| >> std``, as in the kernels.
-    """
-    return torch.sub(x, _per_channel(hi, x), out=torch.empty_like(x, dtype=hi.dtype))
 
 
 def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
