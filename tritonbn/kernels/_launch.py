@@ -60,7 +60,7 @@ from tritonbn._compat import (
     triton_runtime_knobs,
     version_tuple,
 )
-from tritonbn.kernels._plan import fits_occupancy, planned_warp_size
+from tritonbn.kernels._plan import fits_occupancy, planned_target
 
 _knobs = triton_runtime_knobs()  # ``interpret``
 if _knobs.interpret:
@@ -210,7 +210,7 @@ class Launch:
                 active = driver.active
             except RuntimeError:  # no GPU driver: Triton's own path decides (the kernel audit records it there)
                 if self.refit is not None:  # planned as for a GPU: the audit's recorder compiles for its target
-                    self._fit(pointers, CDNA if planned_warp_size() == 64 else SM90)
+                    self._fit(pointers, CDNA if planned_target()[0] == 64 else SM90)
                 self.fn[self.grid](*pointers, *self.scalars, **self.options)
                 return
             device = active.get_current_device()

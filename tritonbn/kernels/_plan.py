@@ -75,26 +75,28 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.cache
-def _sm_count(index: int) -> tuple[int, int]:
-    """SMs (CUs on ROCm) and the warp (wavefront) size of a GPU."""
+def _sm_count(index: int) -> tuple[int, int, int]:
+    """SMs (CUs on ROCm), the warp (wavefront) size and the compute capability (``major * 10 + minor``,
+    0 on ROCm) of a GPU."""
     props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, getattr(props, "warp_size", 32)
+    arch = 0 if torch.version.hip else props.major * 10 + props.minor
+    return props.multi_processor_count, getattr(props, "warp_size", 32), arch
 
 
 # Set by :func:`planned_as`: plan every launch as if it ran on this kind of device.
-_planned_as: tuple[str, int, int] | None = None
+_planned_as: tuple[str, int, int, int] | None = None
 
 
 @contextlib.contextmanager
-def planned_as(device_type: str = "cuda", sm_count: int = 132, warp_size: int = 32):
+def planned_as(device_type: str = "cuda", sm_count: int = 132, warp_size: int = 32, arch: int = 90):
     """Plan launches as a ``device_type`` device with ``sm_count`` SMs would, whatever the tensors' device.
 
     For tools that read the compiled code without a GPU (``benchmarks/kernel_audit.py``): the
     tensors stay on CPU, the tiles and grid are those a CUDA device (default: an H100/H200's 132
-    SMs) would get; ``warp_size=64`` for an AMD GPU (its CUs as ``sm_count``).
+    SMs, compute capability ``arch`` 9.0) would get; ``warp_size=64``, ``arch=0`` for an AMD GPU.
     """
     global _planned_as
-    old, _planned_as = _planned_as, (device_type, sm_count, warp_size)
+    old, _planned_as = _planned_as, (device_type, sm_count, warp_size, arch)
     clear_caches()
     try:
         yield
@@ -103,21 +105,21 @@ def planned_as(device_type: str = "cuda", sm_count: int = 132, warp_size: int = 
         clear_caches()
 
 
-def planned_warp_size() -> int:
-    """The warp size :func:`planned_as` plans for (32 outside it)."""
-    return _planned_as[2] if _planned_as is not None else 32
+def planned_target() -> tuple[int, int]:
+    """``(warp size, compute capability)`` :func:`planned_as` plans for (``(32, 90)`` outside it)."""
+    return _planned_as[2:] if _planned_as is not None else (32, 90)
 
 
-def _device_kind(device: torch.device) -> tuple[str, int, int]:
-    """``(device type, SM count, warp size)`` the plan is made for (a program has 256 or 128 threads)."""
+def _device_kind(device: torch.device) -> tuple[str, int, int, int]:
+    """``(device type, SM count, warp size, arch)`` the plan is made for (a program has 256 or 128 threads)."""
     if _planned_as is not None:
         return _planned_as
     if device.type == "cuda":
         return "cuda", *_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return device.type, 0, 32
+    return device.type, 0, 32, 0
 
 
-def _target_programs(kind: tuple[str, int], per_sm: int | None) -> int:
+def _target_programs(kind: tuple, per_sm: int | None) -> int:
     if kind[0] == "cuda":
         return min(per_sm or _PROGRAMS_PER_SM, _PROGRAMS_PER_SM) * kind[1]
     return _CPU_PROGRAMS
@@ -155,6 +157,7 @@ class Plan:
     BLOCK_R: int  # rows of partials the last program merges at a time
     PLANE: int  # packed plans: the plane size (lanes per channel); 0 otherwise
     PACK: int  # channels per program: PACK of the BLOCK_C per-channel slots (BLOCK_C when not packed)
+    GATHER: bool  # packed statistics: lanes to channels by a gather, not a per-lane store (see _gathers)
     G: int  # programs per merge subtree: r_progs when the merge is one level (see _merge_subtree)
     # What every kernel takes, computed once per plan:
     size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
@@ -213,13 +216,8 @@ def clear_caches() -> None:
         cache.clear()
 
 
-def plan(
-    shape: torch.Size | tuple[int, ...],
-    *tensors: torch.Tensor,
-    tile_scale: int = 1,
-    per_sm: int | None = None,
-    merges: bool = False,
-) -> Plan:
+def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1, per_sm: int | None = None,
+         merges: bool = False) -> Plan:  # fmt: skip
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
 
     All ``tensors`` have the logical ``shape`` ``(N, C, *S)``; they may have different strides.
@@ -237,14 +235,8 @@ def plan(
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(
-    shape: tuple[int, ...],
-    all_strides: tuple[tuple[int, ...], ...],
-    kind: tuple[str, int],
-    tile_scale: int = 1,
-    per_sm: int | None = None,
-    merges: bool = False,
-) -> Plan:
+def _plan_cached(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple, tile_scale: int = 1,
+                 per_sm: int | None = None, merges: bool = False) -> Plan:  # fmt: skip
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
     dims = [(shape[0], [st[0] for st in all_strides])]
@@ -314,6 +306,7 @@ def _plan_cached(
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=0,
         PACK=BLOCK_C,
+        GATHER=False,
         G=G,
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
         stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4])),
@@ -324,7 +317,7 @@ def _channels_fastest(strides: tuple[tuple[int, ...], ...]) -> bool:
     return all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
 
 
-def _split(tiles: int, c_blocks: int, kind: tuple[str, int], per_sm: int | None) -> tuple[int, int]:
+def _split(tiles: int, c_blocks: int, kind: tuple, per_sm: int | None) -> tuple[int, int]:
     """``(r_progs, tiles_per_prog)``: the programs along the reduction and the tiles each walks.
 
     With the occupancy known (``per_sm``), the grid is at most one wave (unless the channel blocks
@@ -403,12 +396,21 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=plane,
         PACK=group,
+        GATHER=_gathers(kind),
         G=G,
         size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
         # As they are: a tile starts at o * stride_o0 + pid_c * PACK * PLANE (see _common.tile_rows),
         # whose alignment Triton sees from its hint on the stride and from the constexprs.
         stride_args=tuple(x for s in strides for x in (1, s[1] if outer > 1 else 0, 0, 0, 1)),
     )
+
+
+def _gathers(kind: tuple) -> bool:
+    """Whether a packed statistics kernel gathers its channels' sums out of the lane scan (all but sm_90) or
+    stores each from its last lane: a store over all BLOCK_I lanes, whose addresses and masks stay live across
+    the fp64 scan (sm_80, sm_89: 128 registers and spills; sm_100: 150; the gather: 80 to 100). sm_90 keeps
+    its audited 114 until a GPU compares the two there (the gather compiles to 80)."""
+    return kind[3] != 90
 
 
 def _inner_block(inner: int, cap: int) -> int:

@@ -80,6 +80,7 @@ def _batch_norm_stats_kernel(
     PACK: tl.constexpr,  # channels per program
     USE_INT64: tl.constexpr,
     UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
+    GATHER: tl.constexpr,  # packed plans: how lanes become channel partials (see _common.store_partials)
 ):
     """Shifted per-lane sums of x over a chunk of tiles; the last program merges every chunk."""
     pid_c = tl.program_id(0)
@@ -139,7 +140,9 @@ def _batch_norm_stats_kernel(
             x2 = x2_next
 
     # This program's partials, its lanes merged in fp64.
-    store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, PACK, VEC, tl.float64)
+    store_partials(
+        part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, PACK, VEC, tl.float64, GATHER
+    )
     # The two-level merge in a fixed order (see merge_tree); one program ends with the sums over all R.
     last, S1, S2 = merge_tree(part_ptr, ticket_ptr, pid_c, pid_r, R, G, C, cols, c_mask, BLOCK_R, BLOCK_C)
     if last:
@@ -192,6 +195,7 @@ def _launch(x: torch.Tensor, per_sm: int | None = None) -> Launch:
         PACK=layout.PACK,
         USE_INT64=layout.use_int64,
         UNROLL=2,
+        GATHER=layout.GATHER,
     )
     tail = (*layout.size_args, R, layout.G, x.numel() // C, *layout.stride_args)
     return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=4,
