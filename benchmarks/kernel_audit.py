@@ -26,8 +26,10 @@ specialization, in a fresh Triton cache so that Triton's own ptxas run and its l
 stack, spills) are what is read. The cubin is disassembled with the bundled ``nvdisasm``.
 
 **Per row** (one per launch of each pass): registers, spill bytes (ptxas's spill stores + loads),
-stack, shared memory, ``max_warps_per_sm`` (sm_90: 64K registers, 2048 threads, 228 KB shared
-memory with 1 KB reserved per block, 32 blocks per SM; registers allocated per warp in units of 256),
+stack, shared memory, ``max_warps_per_sm`` (the target's per-SM limits, ``tritonbn.kernels._launch.SM_LIMITS``:
+sm_90: 64K registers, 2048 threads, 228 KB shared memory with 1 KB reserved per block, 32 blocks per SM,
+registers allocated per warp in units of 256; sm_80: 164 KB; sm_89: 1536 threads, 100 KB, 24 blocks),
+``maxnreg`` (the register ceiling a spilling kernel was compiled again with, see ``Launch._compile``),
 and for the **main loop**:
 
 * the main loop: among the innermost SASS loops (a backward branch to its target), the one whose

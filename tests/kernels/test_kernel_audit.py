@@ -242,6 +242,15 @@ def test_other_targets_vector_loads_and_one_round_trip(target_audits, arch):
             assert r["model_waves_per_simd"] == r["llvm_waves_per_simd"], r
 
 
+def test_other_targets_occupancy_by_their_own_limits(target_audits):
+    """Warps per SM by each target's own per-SM limits: an sm_89 SM holds 1536 threads, so the eval kernel of
+    this case (8 warps, 30 registers) holds 48 warps there, where sm_90's limits would give 64; the same
+    kernel holds 64 on sm_80 and sm_100, whose SMs hold 2048 threads."""
+    row = {a: next(r for r in target_audits[a] if r["mode"] == "eval_forward") for a in ("80", "89", "100")}
+    assert (row["89"]["max_warps_per_sm"], row["89"]["occupancy_limit"]) == (48, "threads"), row["89"]
+    assert row["80"]["max_warps_per_sm"] == row["100"]["max_warps_per_sm"] == 64, row
+
+
 @pytest.mark.parametrize("arch", TARGETS)
 def test_other_targets_no_spills(target_audits, arch):
     assert [r["spill_bytes"] for r in target_audits[arch]] == [0] * len(target_audits[arch])
