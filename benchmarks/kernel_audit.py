@@ -26,8 +26,10 @@ specialization, in a fresh Triton cache so that Triton's own ptxas run and its l
 stack, spills) are what is read. The cubin is disassembled with the bundled ``nvdisasm``.
 
 **Per row** (one per launch of each pass): registers, spill bytes (ptxas's spill stores + loads),
-stack, shared memory, ``max_warps_per_sm`` (sm_90: 64K registers, 2048 threads, 228 KB shared
-memory with 1 KB reserved per block, 32 blocks per SM; registers allocated per warp in units of 256),
+stack, shared memory, ``max_warps_per_sm`` (the target's per-SM limits, ``tritonbn.kernels._launch.SM_LIMITS``:
+sm_90: 64K registers, 2048 threads, 228 KB shared memory with 1 KB reserved per block, 32 blocks per SM,
+registers allocated per warp in units of 256; sm_80: 164 KB; sm_89: 1536 threads, 100 KB, 24 blocks),
+``maxnreg`` (the register ceiling a spilling kernel was compiled again with, see ``Launch._compile``),
 and for the **main loop**:
 
 * the main loop: among the innermost SASS loops (a backward branch to its target), the one whose
@@ -98,7 +100,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_file import write_section  # noqa: E402
 
 from tritonbn.cli.resnet50 import distinct_bn_shapes  # noqa: E402
-from tritonbn.kernels._launch import SM90, resident_limits  # noqa: E402
+from tritonbn.kernels._launch import resident_limits, sm_limits  # noqa: E402
 
 MODES = ("train_forward", "backward", "eval_forward")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -192,8 +194,10 @@ def captured_launches(target: GPUTarget, compiled: dict):
         )
         if warmup:
             row = read_compiled(launch, target, compiled)
-            return types.SimpleNamespace(
-                n_regs=row["registers"], metadata=types.SimpleNamespace(shared=row["shared_bytes"])
+            return types.SimpleNamespace(  # n_spills: the local memory a thread takes, as the driver reports it
+                n_regs=row["registers"],
+                n_spills=row["stack_bytes"],
+                metadata=types.SimpleNamespace(shared=row["shared_bytes"]),
             )
         launches.append(launch)
         return None
@@ -229,7 +233,7 @@ def module_passes(shape, dtype: torch.dtype, layout: str, target: GPUTarget, com
     out = {}
     with (
         triton_backend_on_cpu(),
-        planned_as("cuda", SM_COUNT, WARP_SIZE),
+        planned_as("cuda", SM_COUNT, WARP_SIZE, target.arch if target.backend == "cuda" else 0),
         captured_launches(target, compiled) as launches,
     ):
         bn = tritonbn.SyncBatchNorm(shape[1])  # fp32 parameters, as under autocast
@@ -487,9 +491,10 @@ def loop_metrics(insns: list[Insn], loop: tuple[int, int] | None, elements_per_t
     }
 
 
-def max_warps_per_sm(registers: int, num_warps: int, shared: int) -> tuple[int, str]:
-    """Resident warps per SM on sm_90 and what limits them (the limits tritonbn fits its grids to)."""
-    limits = resident_limits(registers, num_warps, shared, SM90)
+def max_warps_per_sm(registers: int, num_warps: int, shared: int, arch: int = 90) -> tuple[int, str]:
+    """Resident warps per SM on compute capability ``arch`` and what limits them (the per-SM limits tritonbn fits
+    its grids to, ``tritonbn.kernels._launch.SM_LIMITS``)."""
+    limits = resident_limits(registers, num_warps, shared, sm_limits(arch))
     limiter = min(limits, key=limits.get)
     return limits[limiter] * num_warps, limiter
 
@@ -552,7 +557,7 @@ def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, tar
     num_warps = int(options["num_warps"])
     per_thread = tile_elements(named) / (num_warps * 32)
     shared = int(kernel.metadata.shared)
-    warps, limiter = max_warps_per_sm(ptxas["registers"], num_warps, shared)
+    warps, limiter = max_warps_per_sm(ptxas["registers"], num_warps, shared, target.arch)
     spill_stores, spill_loads = ptxas["spill_stores"] or 0, ptxas["spill_loads"] or 0
     loops = sass_loops(insns, labels)
     merges = merge_loops(insns, loops, fn)
@@ -602,6 +607,7 @@ def audit(shapes, dtypes, layouts, target, log=print) -> tuple[list[dict], int]:
                             "grid": list(launch.grid),
                             "num_warps": int(launch.options["num_warps"]),
                             "blocks": {n: int(v) for n, v in named.items() if n.startswith("BLOCK")},
+                            "maxnreg": launch.options.get("maxnreg"),  # the ceiling a spilling kernel got
                             "constexprs": {n: _plain(v) for n, v in named.items() if not n.startswith("BLOCK")},
                             **compiled,
                             **tail_metrics(launch),

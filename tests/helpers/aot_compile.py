@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tritonbn._compat import COMPILE_OPTIONS  # noqa: E402
 from tritonbn.kernels import backward_elemt, backward_reduce, elemt, stats  # noqa: E402
+from tritonbn.kernels._plan import _gathers  # noqa: E402
 
 SCALARS = ("momentum", "momentum_lo", "eps", "eps_lo", "slope")
 ALL = ("80", "89", "90", "100", "gfx90a", "gfx942")
@@ -142,8 +143,11 @@ def compile_all(target, quick: bool, smoke: bool) -> int:
 def _compile_plan(base, pointers, target, int64, activations, residuals, auxes, trainings=(True, False)) -> int:
     """Every kernel for one plan's constexprs; returns how many specializations were compiled."""
     count = 0
+    arch = target.arch if target.backend == "cuda" else 0  # a packed plan gathers its lanes' sums as the target's does
+    gather = bool(base["PLANE"]) and _gathers(("cuda", 0, target.warp_size, arch))
     unroll = 1 if base["HAS_MASK"] else 2  # as the launcher: one tile a step for a masked layer
-    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32, UNROLL=unroll), target, int64)
+    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32, UNROLL=unroll, GATHER=gather), target,
+             int64)  # fmt: skip
     count += 1
     if base["PLANE"] or base["HAS_MASK"]:  # a packed or masked plan: one representative variant of each kernel
         activations, residuals, auxes = activations[-1:], residuals[-1:], auxes[-1:]

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tritonbn.kernels._launch import CDNA, SM90, Launch, programs_per_sm
+from tritonbn.kernels import _launch
+from tritonbn.kernels._launch import CDNA, SM90, SM_LIMITS, Launch, programs_per_sm, sm_limits
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "helpers" / "launch_check.py"
 
@@ -72,6 +73,40 @@ def test_programs_per_sm():
     assert programs_per_sm(255, 8, 0) == 1
 
 
+def test_programs_per_sm_on_each_nvidia_target():
+    """Each target's own per-SM limits (CUDA C++ Programming Guide, per compute capability): 64 warps on
+    sm_80 and sm_100 as on sm_90, 48 on sm_86/89; 164 KB of shared memory on sm_80, 100 KB on sm_86/89,
+    228 KB on sm_100; 16 resident blocks on sm_86, 24 on sm_89."""
+    assert programs_per_sm(32, 4, 0, sm_limits(89)) == 12  # threads: 1536 / 128 (16 on sm_90)
+    assert programs_per_sm(32, 4, 0, sm_limits(80)) == 16 == programs_per_sm(32, 4, 0, sm_limits(100))
+    assert programs_per_sm(32, 4, 50 * 1024, sm_limits(80)) == 3  # 164 KB / 51 KB (4 on sm_90)
+    assert programs_per_sm(32, 4, 30 * 1024, sm_limits(89)) == 3  # 100 KB / 31 KB (7 on sm_90)
+    assert programs_per_sm(32, 4, 50 * 1024, sm_limits(100)) == 4
+    assert programs_per_sm(16, 1, 0, sm_limits(86)) == 16 and programs_per_sm(16, 1, 0, sm_limits(89)) == 24
+    assert programs_per_sm(128, 8, 0, sm_limits(80)) == 2 == programs_per_sm(128, 8, 0, sm_limits(89))
+    # a capability without a row takes the newest one below it
+    assert sm_limits(87) is SM_LIMITS[86] and sm_limits(120) is SM_LIMITS[100] and sm_limits(90) is SM90
+
+
+def test_device_sm_reads_the_device(monkeypatch):
+    """On a GPU the fit takes the device's own registers, threads and shared memory per SM, and its
+    capability's row for what torch does not report (resident blocks), or for all of it."""
+    l40s = SimpleNamespace(major=8, minor=9, max_threads_per_multi_processor=1536, regs_per_multiprocessor=65536,
+                           shared_memory_per_multiprocessor=100 * 1024)  # fmt: skip
+    a100 = SimpleNamespace(major=8, minor=0)  # reporting nothing of its own
+    devices = {0: l40s, 1: a100}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", devices.__getitem__)
+    monkeypatch.setattr(torch.version, "hip", None)
+    _launch.device_sm.cache_clear()
+    try:
+        sm = _launch.device_sm(0)
+        assert (sm["warps"], sm["smem"], sm["blocks"]) == (48, 100 * 1024, 24)
+        assert programs_per_sm(32, 4, 0, sm) == 12
+        assert _launch.device_sm(1) == SM_LIMITS[80]
+    finally:
+        _launch.device_sm.cache_clear()
+
+
 def test_programs_per_cu_on_cdna():
     """gfx90a/gfx942 occupancy: waves per SIMD as LLVM's AMDGPU backend reports it in the assembly
     (``; Occupancy:``): 144 VGPRs gave 3, 9 gave 8 (tests/helpers/aot_compile.py's kernels and a toy, Triton 3.9)."""
@@ -109,17 +144,20 @@ def test_first_launch_runs_the_fitted_grid(check):
 
 
 class _FakeKernel:
-    """A kernel whose unlaunched compiles (``warmup``) report the given register counts in turn."""
+    """A kernel whose unlaunched compiles (``warmup``) report the given register counts in turn, and the spill
+    bytes ``spills`` gives for their ``maxnreg`` option (none by default)."""
 
     arg_names = ["a_ptr", "n", "BLOCK"]
     __name__ = "_fake_kernel"
 
-    def __init__(self, registers):
-        self.registers, self.grids = list(registers), []
+    def __init__(self, registers, spills=None):
+        self.registers, self.grids, self.spills, self.ceilings = list(registers), [], spills or {}, []
 
     def warmup(self, *args, grid, **options):
         self.grids.append(grid)
-        return SimpleNamespace(n_regs=self.registers.pop(0), metadata=SimpleNamespace(shared=0))
+        self.ceilings.append(options.get("maxnreg"))
+        return SimpleNamespace(n_regs=self.registers.pop(0), n_spills=self.spills.get(options.get("maxnreg"), 0),
+                               metadata=SimpleNamespace(shared=0))  # fmt: skip
 
 
 def _fake_launch(fn, per_sm=None, tickets_per_program=1):
@@ -147,3 +185,40 @@ def test_fit_never_outgrows_the_workspace():
     launch.refit = functools.partial(_fake_launch, fn, tickets_per_program=4)
     with pytest.raises(RuntimeError, match="tritonbn: _fake_kernel's fitted plan needs more workspace"):
         launch._fit((torch.empty(1),), SM90)
+
+
+def test_a_spilling_kernel_gets_its_own_registers_as_ceiling():
+    """ptxas spills a kernel at the 80 registers it picked itself, and not when given 80 as a ceiling (as the
+    sm_80 statistics kernel of a 32x64x112x112 fp16 input): the launch keeps ``maxnreg=80``, at the same
+    occupancy, for every plan it fits (each is checked again)."""
+    fn = _FakeKernel([80, 80, 80, 80], spills={None: 42, 80: 0})
+    launch = _fake_launch(fn)
+    launch._fit((torch.empty(1),), SM90)
+    assert fn.ceilings == [None, 80, None, 80]
+    assert launch.options["maxnreg"] == 80 and launch.grid == (1, 132 * 3)
+
+
+def test_then_the_register_budget_as_ceiling():
+    """Where a ceiling of its own count still spills (as the sm_89 statistics kernel of a 32x1024x14x14 fp32
+    input: 24 bytes at 80 registers, 8 at a ceiling of 80), the plans' budget of 128 registers, which ptxas
+    fills (2 programs of 8 warps per SM)."""
+    fn = _FakeKernel([80, 80, 128] * 2, spills={None: 24, 80: 8, 128: 0})
+    launch = _fake_launch(fn)
+    launch._fit((torch.empty(1),), SM90)
+    assert fn.ceilings == [None, 80, 128] * 2
+    assert launch.options["maxnreg"] == 128 and launch.grid == (1, 132 * 2)
+
+
+def test_a_ceiling_that_spills_as_much_is_dropped():
+    fn = _FakeKernel([80, 80, 80] * 2, spills={None: 42, 80: 42, 128: 42})
+    launch = _fake_launch(fn)
+    launch._fit((torch.empty(1),), SM90)
+    assert fn.ceilings == [None, 80, 128] * 2 and "maxnreg" not in launch.options
+
+
+def test_no_ceiling_on_cdna():
+    """AMD's compiler takes no ptxas ceiling: a kernel there is compiled once per plan."""
+    fn = _FakeKernel([80, 80], spills={None: 42})
+    launch = _fake_launch(fn)
+    launch._fit((torch.empty(1),), CDNA)
+    assert fn.ceilings == [None, None] and "maxnreg" not in launch.options

@@ -15,7 +15,7 @@ import triton.language as tl
 from oracle import PARAM_GRAD_TOL, TOLERANCES
 
 import tritonbn
-from tritonbn.kernels import _plan
+from tritonbn.kernels import _plan, batch_norm_stats
 from tritonbn.kernels._common import segment_sums
 from tritonbn.kernels._plan import plan, planned_as
 
@@ -100,6 +100,38 @@ def test_grouped_statistics_keep_precision(mid_tiles):
     _close(y, ref, (1e-5, 1e-5), "y")
     var = x.double().var((0, 2, 3), unbiased=True)
     torch.testing.assert_close(bn.running_var.double(), 0.9 + 0.1 * var, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "store"])
+@pytest.mark.parametrize(("shape", "groups"), CASES)
+def test_grouped_statistics_both_ways(mid_tiles, monkeypatch, shape, groups, gather):
+    """A packed statistics kernel turns its lanes into channel partials with a gather (every target but sm_90,
+    and the interpreter) or with a store from each channel's last lane (sm_90): both give sum(x), sum(x^2)
+    and the count, over several groups, a last pack that C cuts short, and several programs per group."""
+    monkeypatch.setattr(_plan, "_gathers", lambda kind: gather)
+    _plan.clear_caches()
+    torch.manual_seed(0)
+    C = shape[1]
+    x = torch.randn(shape) * (torch.rand(C) * 3 + 0.1).view(1, C, *[1] * (len(shape) - 2)) + 2
+    p = plan(x.shape, x, tile_scale=2)
+    assert p.PLANE > 0 and p.GATHER == gather and p.r_progs > 1, p
+    stats = batch_norm_stats(x)
+    dims = [0, *range(2, x.dim())]
+    torch.testing.assert_close(stats[:C], x.double().sum(dims), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats[C : 2 * C], (x.double() ** 2).sum(dims), rtol=1e-6, atol=1e-6)
+    assert stats[2 * C].item() == x.numel() // C
+
+
+def test_packed_statistics_gather_on_every_target_but_sm90():
+    """The plans of ResNet-50's 14x14 statistics: sm_90 keeps the audited store from each channel's last lane,
+    sm_80, sm_89, sm_100 and AMD gather (ptxas holds the store at 128 registers and spills on sm_80/89, at
+    150 on sm_100); the other kernels' plans never gather."""
+    x = torch.empty(32, 256, 14, 14)
+    for arch, gathers in ((90, False), (80, True), (89, True), (100, True), (0, True)):
+        with planned_as("cuda", 132, warp_size=64 if arch == 0 else 32, arch=arch):
+            assert plan(x.shape, x, tile_scale=2).GATHER is gathers, arch
+            assert plan(x.shape, x, x, x).GATHER is gathers  # packed, but only the statistics read GATHER
+            assert plan(x.shape, x.to(memory_format=torch.channels_last)).GATHER is False  # not packed
 
 
 def test_grouped_empty_batch(mid_tiles):

@@ -73,7 +73,7 @@ def tile_mask(it, valid, c_mask, lanes, INNER_V, BLOCK_I: tl.constexpr, VEC: tl.
 def tile_offsets(o, cols, inner, O1, O2, s_c, s_o0, s_o1, s_o2, s_i, VEC: tl.constexpr):
     """Element offsets of a tile at outer index ``o`` in a tensor with the given strides.
 
-    The channel and outer strides arrive divided by ``VEC`` (see ``_plan._vector_hint``).
+    The channel and outer strides arrive divided by ``VEC`` (see ``_tiles.vector_hint``).
     """
     o2 = o % O2
     o1 = (o // O2) % O1
@@ -163,16 +163,26 @@ def segment_sums(v, starts):
 
 @triton.jit
 def store_partials(part_ptr, pid_r, R, C, cols, c_mask, a0, a1, pid_c, lanes, inner_v,
-                   PLANE: tl.constexpr, PACK: tl.constexpr, VEC: tl.constexpr, MERGE: tl.constexpr):  # fmt: skip
+                   PLANE: tl.constexpr, PACK: tl.constexpr, VEC: tl.constexpr, MERGE: tl.constexpr,
+                   GATHER: tl.constexpr = False):  # fmt: skip
     """Store this program's two per-lane accumulators, their lanes merged in ``MERGE``, as row ``pid_r``
     of ``(2, R, C)`` fp64 partials.
 
     A packed tile's lanes are reduced to channels by a segmented scan that restarts at each channel's
     first lane: the value at a channel's last lane is its sum, untouched by its neighbours however
-    different their sizes.
+    different their sizes. That value is stored from the lane itself (a masked store over every lane),
+    or, with ``GATHER``, gathered into the ``[BLOCK_C]`` channel slots and stored as the unpacked plans
+    store theirs: no per-lane addresses and masks held across the scan (see ``_plan._gathers``).
     """
     part = part_ptr + pid_r * C
-    if PLANE > 0:
+    if PLANE > 0 and GATHER:
+        starts = (lanes % PLANE == 0).to(tl.int32)
+        last = tl.minimum(tl.arange(0, cols.shape[0]) * PLANE + (PLANE - 1), a0.shape[1] - 1)  # idle slots: masked
+        s0 = segment_sums(tl.reshape(a0, [a0.shape[1]]).to(MERGE), starts)
+        tl.store(part + cols, tl.gather(s0, last, 0), mask=c_mask)
+        s1 = segment_sums(tl.reshape(a1, [a1.shape[1]]).to(MERGE), starts)
+        tl.store(part + R * C + cols, tl.gather(s1, last, 0), mask=c_mask)
+    elif PLANE > 0:
         starts = (lanes % PLANE == 0).to(tl.int32)
         ends = (lanes % PLANE == PLANE - 1) & (lanes < inner_v * VEC)
         ch = pid_c * PACK + lanes // PLANE

@@ -32,9 +32,11 @@ Triton's own path runs instead:
 **Occupancy.** Before the first launch of a plan on a GPU, a :class:`Launch` given ``refit`` compiles
 its kernel without launching it (``JITFunction.warmup``, as Triton's persistent-kernel tutorials do),
 reads its registers and shared memory, works out how many of its programs one SM holds
-(:func:`programs_per_sm`), and takes the plan ``refit`` makes for that occupancy: a grid of one wave,
-every program resident at once, instead of a last partial wave that keeps few bytes in flight. The
-first launch already runs the fitted plan, so every launch of a plan merges in the same order.
+(:func:`programs_per_sm`, with the GPU's own per-SM limits, :func:`device_sm`), and takes the plan ``refit``
+makes for that occupancy: a grid of one wave, every program resident at once, instead of a last partial
+wave that keeps few bytes in flight. The first launch already runs the fitted plan, so every launch of a
+plan merges in the same order. A kernel that spills is compiled again with its own register count as
+ptxas's ceiling (:meth:`Launch._compile`).
 
 Triton's compile options that it reads from the environment on each call (``TRITON_DEBUG``, the
 instrumentation mode) are read when a kernel is first found for a plan, as in inductor.
@@ -60,7 +62,7 @@ from tritonbn._compat import (
     triton_runtime_knobs,
     version_tuple,
 )
-from tritonbn.kernels._plan import fits_occupancy, planned_warp_size
+from tritonbn.kernels._plan import fits_occupancy, planned_target
 
 _knobs = triton_runtime_knobs()  # ``interpret``
 if _knobs.interpret:
@@ -79,11 +81,22 @@ def direct_supported() -> bool:
 
 DIRECT = direct_supported()
 
-# What one SM holds, where the device does not say (and for plans made without a GPU, as the kernel
-# audit makes them): NVIDIA's figures for sm_90 (H100/H200; CUDA C++ Programming Guide, compute
-# capability 9.0). Registers are given out per warp in units of ``reg_unit``; the driver keeps
-# ``smem_per_block`` bytes of shared memory per resident block.
-SM90 = {"regs": 65536, "reg_unit": 256, "warps": 64, "smem": 228 * 1024, "smem_per_block": 1024, "blocks": 32}
+# What one SM holds, per NVIDIA compute capability (CUDA C++ Programming Guide, "Technical Specifications per
+# Compute Capability"; the Ampere and Ada tuning guides, "Occupancy"): 64K registers, given out per warp in
+# units of ``reg_unit``; resident warps; shared memory, of which the driver keeps ``smem_per_block`` bytes per
+# resident block; resident blocks. A GPU's own registers, warps and shared memory replace the row's
+# (:func:`device_sm`); plans made without a GPU, as the kernel audit makes them, take the row of their target.
+_SM = {"regs": 65536, "reg_unit": 256, "smem_per_block": 1024}
+SM_LIMITS = {
+    80: dict(_SM, warps=64, smem=164 * 1024, blocks=32),  # A100
+    86: dict(_SM, warps=48, smem=100 * 1024, blocks=16),  # A10, A40, RTX 30
+    89: dict(_SM, warps=48, smem=100 * 1024, blocks=24),  # L4, L40S, RTX 40
+    90: dict(_SM, warps=64, smem=228 * 1024, blocks=32),  # H100, H200
+    100: dict(_SM, warps=64, smem=228 * 1024, blocks=32),  # B200
+}
+SM90 = SM_LIMITS[90]
+# Registers a thread may hold in every plan: 2 programs of 8 warps (4 of 4) resident per SM, on every target.
+MAX_REGISTERS = 128
 # The same for one AMD CDNA2/CDNA3 compute unit (gfx90a MI250X, gfx942 MI300X; AMD's CDNA3 ISA guide), an
 # assumption until a ROCm GPU is run: 4 SIMDs, each with 512 VGPRs per lane, given out in units of 8, and at
 # most 8 wavefronts of 64 lanes (a wavefront's registers come from one SIMD); 64 KiB of LDS per CU.
@@ -109,18 +122,28 @@ def programs_per_sm(registers: int, num_warps: int, shared: int, sm: dict = SM90
     return max(1, min(resident_limits(registers, num_warps, shared, sm).values()))
 
 
+def sm_limits(arch: int) -> dict:
+    """The :data:`SM_LIMITS` row of compute capability ``arch`` (``major * 10 + minor``), or of the newest one
+    below it (the oldest row below them all)."""
+    return SM_LIMITS.get(arch) or SM_LIMITS[max([a for a in SM_LIMITS if a <= arch], default=80)]
+
+
 @functools.cache
 def device_sm(index: int) -> dict:
-    """:data:`SM90`'s figures for CUDA device ``index``, from its properties where torch reports them
-    (:data:`CDNA`'s on ROCm, with the device's wavefront size)."""
+    """What one SM of CUDA device ``index`` holds: its capability's :func:`sm_limits`, with the registers,
+    threads and shared memory its properties report (:data:`CDNA`'s figures on ROCm, with its wavefront size).
+
+    ``max_threads_per_multi_processor``, ``regs_per_multiprocessor`` (torch 2.2, pytorch#115094; not on ROCm) and
+    ``shared_memory_per_multiprocessor`` (torch 2.6, pytorch#143119) are public, in every supported torch."""
     props = torch.cuda.get_device_properties(index)
     if torch.version.hip:
         return dict(CDNA, warp_size=getattr(props, "warp_size", 64))
+    row = sm_limits(props.major * 10 + props.minor)
     return dict(
-        SM90,
-        regs=getattr(props, "regs_per_multiprocessor", SM90["regs"]),
-        warps=getattr(props, "max_threads_per_multi_processor", 32 * SM90["warps"]) // 32,
-        smem=getattr(props, "shared_memory_per_multiprocessor", SM90["smem"]),
+        row,
+        regs=getattr(props, "regs_per_multiprocessor", row["regs"]),
+        warps=getattr(props, "max_threads_per_multi_processor", 32 * row["warps"]) // 32,
+        smem=getattr(props, "shared_memory_per_multiprocessor", row["smem"]),
     )
 
 
@@ -185,10 +208,9 @@ class Launch:
         refit, self.refit = self.refit, None
         planned = None  # programs per SM the current plan is made for (None: before the occupancy was known)
         for _ in range(3):
-            compiled = self.fn.warmup(*pointers, *self.scalars, grid=self.grid, **self.options)
+            compiled = self._compile(pointers, sm)
             if compiled is None:
                 return
-            load_binary(compiled)  # registers are known once the binary is loaded
             registers = getattr(compiled, "n_regs", None)
             if not registers:
                 return
@@ -203,6 +225,35 @@ class Launch:
             self.compiled = {}
             planned = per_sm
 
+    def _compile(self, pointers: tuple, sm: dict):
+        """The kernel compiled (unlaunched) with this launch's options, its binary loaded (``None`` if Triton
+        gives none).
+
+        A CUDA kernel that spills is compiled again with a register ceiling for ptxas (``maxnreg``): first the
+        count ptxas gave it (the same occupancy), then :data:`MAX_REGISTERS`, the budget every plan assumes;
+        the one that spills least is kept. ptxas 12.9 spills the sm_80 statistics kernel of a 32x64x112x112
+        fp16 NCHW input at the 80 registers it picks itself, and not at all at a ceiling of 80; on sm_89 a
+        32x1024x14x14 fp32 one spills 24 bytes at its 80, 8 at a ceiling of 80, none at 128.
+        """
+        compiled = self.fn.warmup(*pointers, *self.scalars, grid=self.grid, **self.options)
+        if compiled is None:
+            return None
+        load_binary(compiled)  # registers and spills are known once the binary is loaded
+        if not getattr(compiled, "n_spills", 0) or "simds" in sm or "maxnreg" in self.options:
+            return compiled
+        best, kept = compiled, None
+        for ceiling in sorted({compiled.n_regs, MAX_REGISTERS}):
+            options = dict(self.options, maxnreg=ceiling)
+            again = self.fn.warmup(*pointers, *self.scalars, grid=self.grid, **options)
+            load_binary(again)
+            if getattr(again, "n_spills", 0) < best.n_spills:
+                best, kept = again, options
+            if not best.n_spills:
+                break
+        if kept is not None:
+            self.options, self.compiled = kept, {}
+        return best
+
     def __call__(self, *pointers: torch.Tensor) -> None:
         if DIRECT:
             fn = self.fn
@@ -210,7 +261,8 @@ class Launch:
                 active = driver.active
             except RuntimeError:  # no GPU driver: Triton's own path decides (the kernel audit records it there)
                 if self.refit is not None:  # planned as for a GPU: the audit's recorder compiles for its target
-                    self._fit(pointers, CDNA if planned_warp_size() == 64 else SM90)
+                    warp_size, arch = planned_target()
+                    self._fit(pointers, CDNA if warp_size == 64 else sm_limits(arch))
                 self.fn[self.grid](*pointers, *self.scalars, **self.options)
                 return
             device = active.get_current_device()

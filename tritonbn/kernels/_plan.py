@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonbn.kernels._tiles import channels_fastest, inner_block, next_pow2, vector_hint
+
 # The interpreter runs a numpy op per tile, so large tiles and few programs are fastest there;
 # a GPU wants tiles of a few thousand elements and a few waves of programs.
 _GPU_TILE = 2048
@@ -71,31 +73,29 @@ _PACK_ALIGN = 8  # elements a packed run starts on: 16 bytes of fp16/bf16, 32 of
 _NO_MASK = (0, 0, 0, 0, 0)  # the mask strides of an unmasked plan (its kernels do not read them)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @functools.cache
-def _sm_count(index: int) -> tuple[int, int]:
-    """SMs (CUs on ROCm) and the warp (wavefront) size of a GPU."""
+def _sm_count(index: int) -> tuple[int, int, int]:
+    """SMs (CUs on ROCm), the warp (wavefront) size and the compute capability (``major * 10 + minor``,
+    0 on ROCm) of a GPU."""
     props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, getattr(props, "warp_size", 32)
+    arch = 0 if torch.version.hip else props.major * 10 + props.minor
+    return props.multi_processor_count, getattr(props, "warp_size", 32), arch
 
 
 # Set by :func:`planned_as`: plan every launch as if it ran on this kind of device.
-_planned_as: tuple[str, int, int] | None = None
+_planned_as: tuple[str, int, int, int] | None = None
 
 
 @contextlib.contextmanager
-def planned_as(device_type: str = "cuda", sm_count: int = 132, warp_size: int = 32):
+def planned_as(device_type: str = "cuda", sm_count: int = 132, warp_size: int = 32, arch: int = 90):
     """Plan launches as a ``device_type`` device with ``sm_count`` SMs would, whatever the tensors' device.
 
     For tools that read the compiled code without a GPU (``benchmarks/kernel_audit.py``): the
     tensors stay on CPU, the tiles and grid are those a CUDA device (default: an H100/H200's 132
-    SMs) would get; ``warp_size=64`` for an AMD GPU (its CUs as ``sm_count``).
+    SMs, compute capability ``arch`` 9.0) would get; ``warp_size=64``, ``arch=0`` for an AMD GPU.
     """
     global _planned_as
-    old, _planned_as = _planned_as, (device_type, sm_count, warp_size)
+    old, _planned_as = _planned_as, (device_type, sm_count, warp_size, arch)
     clear_caches()
     try:
         yield
@@ -104,21 +104,21 @@ def planned_as(device_type: str = "cuda", sm_count: int = 132, warp_size: int = 
         clear_caches()
 
 
-def planned_warp_size() -> int:
-    """The warp size :func:`planned_as` plans for (32 outside it)."""
-    return _planned_as[2] if _planned_as is not None else 32
+def planned_target() -> tuple[int, int]:
+    """``(warp size, compute capability)`` :func:`planned_as` plans for (``(32, 90)`` outside it)."""
+    return _planned_as[2:] if _planned_as is not None else (32, 90)
 
 
-def _device_kind(device: torch.device) -> tuple[str, int, int]:
-    """``(device type, SM count, warp size)`` the plan is made for (a program has 256 or 128 threads)."""
+def _device_kind(device: torch.device) -> tuple[str, int, int, int]:
+    """``(device type, SM count, warp size, arch)`` the plan is made for (a program has 256 or 128 threads)."""
     if _planned_as is not None:
         return _planned_as
     if device.type == "cuda":
         return "cuda", *_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return device.type, 0, 32
+    return device.type, 0, 32, 0
 
 
-def _target_programs(kind: tuple[str, int], per_sm: int | None) -> int:
+def _target_programs(kind: tuple, per_sm: int | None) -> int:
     if kind[0] == "cuda":
         return min(per_sm or _PROGRAMS_PER_SM, _PROGRAMS_PER_SM) * kind[1]
     return _CPU_PROGRAMS
@@ -152,10 +152,11 @@ class Plan:
     tiles_per_prog: int
     use_int64: bool
     num_warps: int
-    VEC: int  # divides INNER and every channel and outer stride (see _vector_hint)
+    VEC: int  # divides INNER and every channel and outer stride (see _tiles.vector_hint)
     BLOCK_R: int  # rows of partials the last program merges at a time
     PLANE: int  # packed plans: the plane size (lanes per channel); 0 otherwise
     PACK: int  # channels per program: PACK of the BLOCK_C per-channel slots (BLOCK_C when not packed)
+    GATHER: bool  # packed statistics: lanes to channels by a gather, not a per-lane store (see _gathers)
     G: int  # programs per merge subtree: r_progs when the merge is one level (see _merge_subtree)
     # What every kernel takes, computed once per plan:
     size_args: tuple[int, ...]  # (C, O1, O2, INNER / VEC, inner_tiles, tiles, tiles_per_prog)
@@ -165,7 +166,7 @@ class Plan:
     @property
     def channels_fastest(self) -> bool:
         """Whether every tensor's channels are contiguous (channels_last) and the inner dim is not."""
-        return _channels_fastest(self.strides[:-1] if self.masked else self.strides)
+        return channels_fastest(self.strides[:-1] if self.masked else self.strides)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -215,14 +216,8 @@ def clear_caches() -> None:
         cache.clear()
 
 
-def plan(
-    shape: torch.Size | tuple[int, ...],
-    *tensors: torch.Tensor,
-    tile_scale: int = 1,
-    per_sm: int | None = None,
-    merges: bool = False,
-    mask: torch.Tensor | None = None,
-) -> Plan:
+def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1, per_sm: int | None = None,
+         merges: bool = False, mask: torch.Tensor | None = None) -> Plan:  # fmt: skip
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
 
     All ``tensors`` have the logical ``shape`` ``(N, C, *S)``; they may have different strides.
@@ -250,15 +245,8 @@ def plan(
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(
-    shape: tuple[int, ...],
-    all_strides: tuple[tuple[int, ...], ...],
-    kind: tuple[str, int],
-    tile_scale: int = 1,
-    per_sm: int | None = None,
-    merges: bool = False,
-    masked: bool = False,
-) -> Plan:
+def _plan_cached(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple, tile_scale: int = 1,
+                 per_sm: int | None = None, merges: bool = False, masked: bool = False) -> Plan:  # fmt: skip
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
     dims = [(shape[0], [st[0] for st in all_strides])]
@@ -295,19 +283,19 @@ def _plan_cached(
         packed = _packed(C, o0, o1 * o2, inner_size, strides, tile // tile_scale, kind, max_offset, per_sm)
     if packed is not None:
         return packed
-    c_pow2 = _next_pow2(C)
-    if _channels_fastest(strides[:-1] if masked else strides):  # channels_last: lanes along C are contiguous
+    c_pow2 = next_pow2(C)
+    if channels_fastest(strides[:-1] if masked else strides):  # channels_last: lanes along C are contiguous
         BLOCK_C = min(c_pow2, _MERGE_BLOCK_C if merges and kind[0] == "cuda" else 128)
-        BLOCK_I = max(1, min(_next_pow2(inner_size), tile // BLOCK_C))
+        BLOCK_I = max(1, min(next_pow2(inner_size), tile // BLOCK_C))
     else:  # NCHW and the rest: lanes along the inner dim (a masked plan's always span it: see plan)
-        BLOCK_I = _inner_block(inner_size, min(1024, tile)) if not masked else min(_next_pow2(inner_size), 1024, tile)
+        BLOCK_I = inner_block(inner_size, min(1024, tile)) if not masked else min(next_pow2(inner_size), 1024, tile)
         BLOCK_C = max(1, min(c_pow2, tile // BLOCK_I))
     c_blocks = -(-C // BLOCK_C)
     inner_tiles = max(1, -(-inner_size // BLOCK_I))
     tiles = outer * inner_tiles if inner_size else 0
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
     G = _merge_subtree(r_progs, min(C, BLOCK_C))
-    VEC = _vector_hint(inner_size, strides)
+    VEC = vector_hint(inner_size, strides)
     return Plan(
         C=C,
         O1=o1,
@@ -330,6 +318,7 @@ def _plan_cached(
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=0,
         PACK=BLOCK_C,
+        GATHER=False,
         G=G,
         size_args=(C, o1, o2, inner_size // VEC, inner_tiles, tiles, tiles_per_prog),
         stride_args=tuple(x for st in strides for x in (st[0] // VEC, st[1] // VEC, st[2] // VEC, st[3] // VEC, st[4]))
@@ -338,11 +327,7 @@ def _plan_cached(
     )
 
 
-def _channels_fastest(strides: tuple[tuple[int, ...], ...]) -> bool:
-    return all(s[0] == 1 for s in strides) and not all(s[4] == 1 for s in strides)
-
-
-def _split(tiles: int, c_blocks: int, kind: tuple[str, int], per_sm: int | None) -> tuple[int, int]:
+def _split(tiles: int, c_blocks: int, kind: tuple, per_sm: int | None) -> tuple[int, int]:
     """``(r_progs, tiles_per_prog)``: the programs along the reduction and the tiles each walks.
 
     With the occupancy known (``per_sm``), the grid is at most one wave (unless the channel blocks
@@ -366,7 +351,7 @@ def _merge_subtree(r_progs: int, channels: int) -> int:
 def _merge_rows(group: int, BLOCK_C: int) -> int:
     """Rows of partials merged at a time, in a ``[BLOCK_R, BLOCK_C]`` tile: a group's rows (and at most as
     many level-2 rows) in one step where the tile allows."""
-    return max(1, min(_next_pow2(group), _MERGE_TILE // BLOCK_C, _MERGE_ROWS))
+    return max(1, min(next_pow2(group), _MERGE_TILE // BLOCK_C, _MERGE_ROWS))
 
 
 def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_sm) -> Plan | None:
@@ -379,7 +364,7 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
     are (not divided by ``VEC``): Triton's divisibility-by-16 specialization of integer arguments
     shows their alignment, and the loop steps by a stride it reads straight from the constant bank.
     """
-    if extra_outer != 1 or plane < 2 or C < 2 or _vector_hint(plane, strides) >= _PACK_ALIGN:
+    if extra_outer != 1 or plane < 2 or C < 2 or vector_hint(plane, strides) >= _PACK_ALIGN:
         return None
     if not all(s[4] == 1 and s[0] == plane for s in strides):
         return None
@@ -388,7 +373,7 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
     if group == 0 or C % g_min:
         return None
     if group >= C:  # every channel in one pack: a tile just large enough
-        group, tile = C, _next_pow2(C * plane)
+        group, tile = C, next_pow2(C * plane)
     outer_strides = [s[1] for s in strides] if outer > 1 else []
     if any(s % 16 for s in outer_strides):  # Triton's own divisibility-by-16 hint must hold for them
         return None
@@ -396,7 +381,7 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
     for v in (group * plane, C * plane):
         while v % vec:
             vec //= 2
-    BLOCK_C = _next_pow2((tile - 1) // plane + 1)  # a slot for the channel of every lane, idle ones included
+    BLOCK_C = next_pow2((tile - 1) // plane + 1)  # a slot for the channel of every lane, idle ones included
     c_blocks = -(-C // group)
     tiles = outer
     r_progs, tiles_per_prog = _split(tiles, c_blocks, kind, per_sm)
@@ -421,6 +406,7 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
         BLOCK_R=_merge_rows(G, BLOCK_C),
         PLANE=plane,
         PACK=group,
+        GATHER=_gathers(kind),
         G=G,
         size_args=(C, 1, 1, group * plane // vec, 1, tiles, tiles_per_prog),
         # As they are: a tile starts at o * stride_o0 + pid_c * PACK * PLANE (see _common.tile_rows),
@@ -429,38 +415,9 @@ def _packed(C, outer, extra_outer, plane, strides, tile, kind, max_offset, per_s
     )
 
 
-def _inner_block(inner: int, cap: int) -> int:
-    """The inner block for lanes along a contiguous inner dim: the largest power of two up to ``cap``
-    that pads ``inner`` by less than 5% (so a 7x7 plane, 49 elements, gets 25 blocks of 2 lanes,
-    not one block of 64 lanes with 15 idle), or the one that pads least when none does.
-    """
-    if inner <= 1:
-        return 1
-    best, best_waste = 1, 1.0
-    b = 1
-    while b <= min(cap, _next_pow2(inner)):
-        waste = (-(-inner // b) * b - inner) / inner
-        if waste < 0.05:
-            best, best_waste = b, 0.0
-        elif best_waste > 0.0 and waste < best_waste:
-            best, best_waste = b, waste
-        b *= 2
-    return best
-
-
-def _vector_hint(inner: int, strides: tuple[tuple[int, ...], ...]) -> int:
-    """The largest power of two (at most 16) that divides ``inner`` and every channel and outer stride,
-    when every tensor's inner dim is contiguous; else 1.
-
-    The kernels take those sizes and strides divided by ``VEC`` and multiply them back by the
-    constexpr ``VEC``, so Triton can prove each tile row starts on a ``VEC``-element boundary and
-    masks change only every ``VEC`` lanes: vector loads and stores for planes such as 14x14 (196 =
-    4 * 49), whose sizes Triton's divisible-by-16 specialization cannot see.
-    """
-    if not all(s[4] == 1 for s in strides):
-        return 1
-    vec = 16
-    for v in (inner, *(x for s in strides for x in s[:4])):
-        while vec > 1 and v % vec:
-            vec //= 2
-    return vec
+def _gathers(kind: tuple) -> bool:
+    """Whether a packed statistics kernel gathers its channels' sums out of the lane scan (all but sm_90) or
+    stores each from its last lane: a store over all BLOCK_I lanes, whose addresses and masks stay live across
+    the fp64 scan (sm_80, sm_89: 128 registers and spills; sm_100: 150; the gather: 80 to 100). sm_90 keeps
+    its audited 114 until a GPU compares the two there (the gather compiles to 80)."""
+    return kind[3] != 90

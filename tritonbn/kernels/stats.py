@@ -90,6 +90,7 @@ def _batch_norm_stats_kernel(
     USE_INT64: tl.constexpr,
     UNROLL: tl.constexpr,  # tiles per step of the main loop: 1 or 2
     HAS_MASK: tl.constexpr,  # masked BatchNorm: sums and count over the real positions only
+    GATHER: tl.constexpr,  # packed plans: how lanes become channel partials (see _common.store_partials)
 ):
     """Shifted per-lane sums of x over a chunk of tiles; the last program merges every chunk."""
     pid_c = tl.program_id(0)
@@ -171,7 +172,9 @@ def _batch_norm_stats_kernel(
             x2 = x2_next
 
     # This program's partials, its lanes merged in fp64.
-    store_partials(part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, PACK, VEC, tl.float64)
+    store_partials(
+        part_ptr, pid_r, R, C, cols, c_mask, s1, s2, pid_c, lanes, inner_v, PLANE, PACK, VEC, tl.float64, GATHER
+    )
     if HAS_MASK:  # this block's count of real positions: exact in any order, an integer sum
         count_ptr = ticket_ptr + tl.num_programs(0) * ((R + G - 1) // G + 1) + pid_c
         tl.atomic_add(count_ptr, tl.sum(tl.sum(kept, axis=1), axis=0))
@@ -238,6 +241,7 @@ def _launch(x: torch.Tensor, mask: torch.Tensor | None = None, per_sm: int | Non
         USE_INT64=layout.use_int64,
         UNROLL=2 if mask is None else 1,  # a masked step holds its masks too: one tile keeps it <= 128 registers
         HAS_MASK=mask is not None,
+        GATHER=layout.GATHER,
     )
     tail = (*layout.size_args, R, layout.G, x.numel() // C, *layout.stride_args)
     # A masked launch counts each channel block's real positions in one more counter per block.
