@@ -49,7 +49,8 @@ def batch_norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`forward_pass` as one op, over the group named ``group_name`` ("" for none): ``(y, mean, invstd, stats)``.
 
-    In eval ``stats`` is left uninitialized (an op returns tensors). ``mask``: masked BatchNorm.
+    In eval, and on the PyTorch backend's local path (which packs no statistics: nothing reads them there),
+    ``stats`` is left uninitialized (an op returns tensors). ``mask``: masked BatchNorm.
     """
     layer = Layer(training, momentum, eps, activation, negative_slope, _resolve_name(group_name))
     y, mean, invstd, stats = forward_pass(

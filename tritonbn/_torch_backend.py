@@ -55,6 +55,7 @@ import threading
 import torch
 
 from tritonbn._numerics import compute_dtype
+from tritonbn._torch_local import local_backward, local_forward  # noqa: F401 - the local path, see _passes
 from tritonbn._torch_ops import (
     _activate_,
     _channel_sums,

@@ -129,7 +129,9 @@ def jvp(layer, eps, x, weight, bias, mean, invstd, stats, residual, output, tx, 
         if layer.training:
             sums = torch.cat([tx.sum(dims), (xhat * tx).sum(dims)])
             all_reduce_sum(sums, layer.group)
-            n = stats[-1].clamp_min(1.0).to(acc)
+            # the global count; a layer that synchronizes with nobody counts its own batch (the PyTorch
+            # backend's local path, tritonbn/_torch_local.py, packs no statistics)
+            n = stats[-1].clamp_min(1.0).to(acc) if layer.group is not None else max(1, x.numel() // C)
             t = inv * (tx - _per_channel(sums[:C] / n, x)) - xhat * inv * _per_channel(sums[C:] / n, x)
         else:
             t = inv * tx
