@@ -128,12 +128,11 @@ def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_bat
         return y, mean, invstd, None
     if current_graph_task_id() != -1:  # in_backward(), inline: the hot path
         running_mean = running_var = num_batches_tracked = None
-    if layer.group is None and residual is None and layer.activation is None and mask is None and stats_sink is None:
-        local = getattr(ops, "local_forward", None)  # the PyTorch backend's local path (tritonbn/_torch_local.py)
-        if local is not None:
-            out = local(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats)
-            if out is not None:
-                return out
+    local = ops.local_forward  # the PyTorch backend's local path (tritonbn/_torch_local.py); None for the kernels
+    if local is not None and layer.group is None and residual is None and layer.activation is None and mask is None:
+        out = local(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink)
+        if out is not None:
+            return out
     stats = ops.batch_norm_stats(x, mask=mask)
     if layer.group is not None:
         all_reduce_sum(stats, layer.group)
@@ -161,9 +160,9 @@ def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, re
     training, group, activation, slope = layer.training, layer.group, layer.activation, layer.negative_slope
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", signature(x, True, input_grad), name=layer.name)
-    if training and group is None and activation is None and residual is None and not residual_grad and mask is None:
-        local = getattr(ops, "local_backward", None)  # the PyTorch backend's local path (tritonbn/_torch_local.py)
-        if local is not None:
+    local = ops.local_backward  # the PyTorch backend's local path (tritonbn/_torch_local.py); None for the kernels
+    if local is not None and training and group is None and activation is None and residual is None and mask is None:
+        if not residual_grad:
             return local(grad_out, x, weight, mean, invstd, input_grad, weight_grad, bias_grad)
     sums = dx = dw = db = dr = None
     if weight_grad or bias_grad or (input_grad and training):

@@ -2,8 +2,8 @@
 
 With no process group to sum over (one process, world size 1, or eval without running statistics),
 the statistics need not be packed for an all-reduce: :func:`tritonbn._passes.forward_pass` and
-:func:`~tritonbn._passes.backward_pass` hand such a layer (no residual, activation or mask, nothing
-pooled by ``accumulate_stats``) to :func:`local_forward` and :func:`local_backward`, which make the
+:func:`~tritonbn._passes.backward_pass` hand such a layer (no residual, activation or mask) to
+:func:`local_forward` and :func:`local_backward`, which make the
 passes torch's own CPU BatchNorm makes, and about a third of the backend's per-channel ops, the fixed
 cost small layers pay (``benchmarks/cpu_train_step.py``). Both paths (eager and the custom ops) take
 them alike, so they still agree bitwise.
@@ -20,7 +20,8 @@ The numerical promises are the backend's (see :mod:`tritonbn._torch_backend`):
   backward, on ``x`` itself: the affine form's error stays below 16-bit rounding (see the backend's
   module docstring).
 * The running statistics are updated in float64 and rounded once, as the kernels do (the variance
-  unbiased); ``num_batches_tracked`` grows by one.
+  unbiased); ``num_batches_tracked`` grows by one. Under ``accumulate_stats`` the packed sums
+  ``[n mean | n (var + mean^2) | n]`` are added to the layer's sink instead, in float64.
 """
 
 from __future__ import annotations
@@ -49,15 +50,20 @@ def _update_running(running_mean, running_var, mean64, var64, n, momentum) -> No
     torch.add(running_var, unbiased.sub_(running_var), alpha=momentum, out=running_var)
 
 
-def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats):
+def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink):
     """``(y, mean, invstd, None)`` of a training forward over ``x`` alone, or ``None`` where it does not apply
-    (an empty input, or ``momentum=None`` with running statistics: the slow path computes its factor)."""
+    (an empty input, or ``momentum=None`` with running statistics: the packed path computes its factor).
+
+    ``stats_sink`` (:func:`tritonbn.accumulate_stats`): the packed ``[sum x | sum x^2 | n]`` of ``x`` is
+    added into it, in float64, in place of the running-stat update.
+    """
     C = x.shape[1]
     n = x.numel() // C
-    if n == 0 or (layer.momentum is None and running_mean is not None):
+    if n == 0 or (layer.momentum is None and running_mean is not None and stats_sink is None):
         return None
+    if stats_sink is not None:
+        running_mean = running_var = num_batches_tracked = None
     acc = compute_dtype(x.dtype)
-    update = running_mean is not None
     if x.dtype == acc:
         p = _to(_first(x), acc)
         d = _subtract(x, p)
@@ -69,10 +75,11 @@ def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches
         shift = torch.addcmul(_to(bias, acc), mean_d, scale, value=-1.0) if bias is not None else -mean_d * scale
         y = _scale_shift_(d, scale, shift)
         mean64 = mean_d.double().add_(p)
+        native = False
     else:
         # torch's own training kernel, its mixed-type form (16-bit input, float32 parameters): statistics in
         # float32; it updates float32 running statistics itself (unbiased), others are updated below
-        native = update and running_mean.dtype == acc
+        native = running_mean is not None and running_mean.dtype == acc
         y, mean, invstd = torch.native_batch_norm(
             x, _as(weight, acc), _as(bias, acc), running_mean if native else None, running_var if native else None,
             True, float(layer.momentum) if native else 0.0, layer.eps,
@@ -80,13 +87,16 @@ def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches
         if y.stride() != x.stride():  # a layout the native kernel does not keep (not contiguous, not NHWC)
             y = torch.empty_like(x).copy_(y)
         mean64 = mean.double()
-        update = update and not native
-        if update:
-            var = invstd.double().pow_(-2).sub_(layer.eps)
-    if update:
-        _update_running(running_mean, running_var, mean64, var, n, float(layer.momentum))
-    if running_mean is not None and num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
+        var = invstd.double().pow_(-2).sub_(layer.eps) if stats_sink is not None or running_mean is not None else None
+    if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n
+        stats_sink[:C].add_(mean64, alpha=n)
+        stats_sink[C : 2 * C].add_(torch.addcmul(var.double(), mean64, mean64), alpha=n)
+        stats_sink[2 * C :].add_(n)
+    elif running_mean is not None:
+        if not native:
+            _update_running(running_mean, running_var, mean64, var, n, float(layer.momentum))
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
     if not save_stats:
         return y, None, None, None
     return y, mean64, invstd, None

@@ -127,7 +127,7 @@ class SyncBatchNorm(_BatchNorm):
                 return traced
         if lengths is not None:
             mask = mask_from_lengths(input, lengths, mask)
-        return self._normalize(input, residual, mask)
+        return self._normalize(input, residual) if mask is None else self._normalize(input, residual, mask)
 
     def __prepare_scriptable__(self):  # torch.jit.script's hook: a clear error (tritonbn/_export.py)
         raise script_error(self)
@@ -200,7 +200,7 @@ class SyncBatchNormAct(SyncBatchNorm):
             return traced
         if lengths is not None:
             mask = mask_from_lengths(input, lengths, mask)
-        y = self.act(self.drop(self._normalize(input, None, mask)))
+        y = self.act(self.drop(self._normalize(input) if mask is None else self._normalize(input, None, mask)))
         return y if mask is None else y.masked_fill(~mask.unsqueeze(1), 0)  # 0 after any activation too
 
 

@@ -285,12 +285,13 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
     modes = [(m, m.training) for m in root.modules()]
     sums: dict[int, torch.Tensor] = {}
 
-    def normalize(m: _BatchNorm, x, residual=None, activation=None, negative_slope=0.01):
-        """Batch norm over ``group`` with the batch statistics, accumulating ``m``'s input sums."""
-        stats = ops_for(x).batch_norm_stats(x)
+    def normalize(m: _BatchNorm, x, residual=None, mask=None, *, activation=None, negative_slope=0.01):
+        """Batch norm over ``group`` with the batch statistics, accumulating ``m``'s input sums (of the real
+        positions, for masked BatchNorm's ``mask``)."""
+        stats = ops_for(x).batch_norm_stats(x, mask=mask)
         sums[id(m)] = stats if id(m) not in sums else sums[id(m)] + stats
         return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group, residual=residual,
-                          activation=activation, negative_slope=negative_slope)  # fmt: skip
+                          activation=activation, negative_slope=negative_slope, mask=mask)  # fmt: skip
 
     # Every layer runs its own forward; only the batch norm inside it is replaced by `normalize`:
     # torch's own classes compute nothing else, tritonbn's call `_normalize` (fused epilogue, then

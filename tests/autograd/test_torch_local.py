@@ -53,9 +53,11 @@ def test_taken_where_it_applies(calls):
     _step(tritonbn.SyncBatchNorm(3), x, residual=torch.randn_like(x).requires_grad_())
     _step(tritonbn.SyncBatchNorm(3), x, mask=torch.ones(4, 5, 5, dtype=torch.bool))
     assert calls == {"forward": 1, "declined": 1, "backward": 2}, "epilogues and masks take the packed path"
-    with tritonbn.accumulate_stats(bn := tritonbn.SyncBatchNorm(3)):
-        _step(bn, x)  # pooled statistics: the packed forward; its backward is the local one's
-    assert calls == {"forward": 1, "declined": 1, "backward": 3}
+    with tritonbn.accumulate_stats(bn := tritonbn.SyncBatchNorm(3, momentum=None)):
+        _step(bn, x)  # pooled statistics: the local path adds them to the sink (any momentum)
+    assert calls == {"forward": 2, "declined": 1, "backward": 3}
+    torch.testing.assert_close(bn.running_mean, x.mean((0, 2, 3)), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(bn.running_var, x.var((0, 2, 3)), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

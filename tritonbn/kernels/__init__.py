@@ -28,6 +28,9 @@ from tritonbn.kernels.backward_reduce import batch_norm_backward_reduce
 from tritonbn.kernels.elemt import batch_norm_elemt
 from tritonbn.kernels.stats import batch_norm_stats
 
+# The kernels have no local path (the PyTorch backend's tritonbn/_torch_local.py): every call packs its statistics.
+local_forward = local_backward = None
+
 __all__ = [
     "Plan",
     "plan",
