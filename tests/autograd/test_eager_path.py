@@ -7,10 +7,10 @@ agree bitwise: outputs, every gradient, the running statistics and ``num_batches
 from __future__ import annotations
 
 import copy
-import shutil
 
 import pytest
 import torch
+from compilers import COMPILERS
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -104,19 +104,7 @@ def test_eager_matches_custom_ops_bitwise(backend_name, monkeypatch):
     _assert_identical(eager, _run(ops_model, x, r, w))
 
 
-@pytest.mark.parametrize(
-    "compiler",
-    [
-        "aot_eager",
-        pytest.param(
-            "inductor",
-            marks=pytest.mark.skipif(
-                shutil.which("g++") is None and shutil.which("gcc") is None, reason="inductor needs a C++ compiler"
-            ),
-        ),
-    ],
-)
-@pytest.mark.parametrize("backend_name", ["triton"], indirect=True)
+@pytest.mark.parametrize("compiler", COMPILERS)
 def test_eager_matches_compiled_bitwise(backend_name, compiler):
     """torch.compile(fullgraph=True) runs the custom ops; eager runs the Function over the launchers: same bits."""
     torch._dynamo.reset()

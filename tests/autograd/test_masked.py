@@ -6,11 +6,10 @@ that reached a sum, an output or a gradient shows.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
+from compilers import COMPILERS
 from oracle import PARAM_GRAD_TOL, TOLERANCES, make_layout
 
 import tritonbn
@@ -217,18 +216,7 @@ def test_accumulate_stats_pools_real_positions(backend_name):
     close(bn.running_var, 0.9 + 0.1 * pooled.var(0), (1e-5, 1e-5), "running_var")
 
 
-@pytest.mark.parametrize(
-    "compiler",
-    [
-        "aot_eager",
-        pytest.param(
-            "inductor",
-            marks=pytest.mark.skipif(
-                shutil.which("g++") is None and shutil.which("gcc") is None, reason="inductor needs a C++ compiler"
-            ),
-        ),  # fmt: skip
-    ],
-)
+@pytest.mark.parametrize("compiler", COMPILERS)
 def test_compiled_matches_eager(backend_name, compiler, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
