@@ -17,6 +17,10 @@ Backward (training)::
     all_reduce(sums)                            # THE backward collective: 2*C floats
     dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:])
 
+On the PyTorch backend a layer that synchronizes with nobody (no process group, residual, activation or
+mask) takes its local path instead, torch's own passes without the packed statistics
+(:mod:`tritonbn._torch_local`); eager calls and the custom ops take it alike.
+
 Each launcher is one kernel launch. Float64 inputs compute in float64 throughout (saved invstd and
 the backward sums too), so ``torch.autograd.gradcheck`` holds at its default tolerances.
 
