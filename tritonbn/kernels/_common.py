@@ -88,14 +88,11 @@ def tile_keep(m_ptr, o, inner, valid, inner_v, O1, O2, s_o0, s_o1, s_o2, s_i, VE
     real positions (False past the tile, or when not ``valid``).
 
     The mask has no channel stride, so every row of the tile shares one row of it: one byte per lane
-    is read, the tile's rows broadcast it. Offsets as in :func:`tile_offsets`.
+    is read, the tile's rows broadcast it: :func:`tile_offsets` of a single row.
     """
-    o2 = o % O2
-    o1 = (o // O2) % O1
-    o0 = o // (O2 * O1)
-    offs = (o0 * s_o0 + o1 * s_o1 + o2 * s_o2) * VEC + inner * s_i
-    keep = tl.load(m_ptr + offs, mask=inner < tl.where(valid, inner_v, 0) * VEC, other=0)
-    return (keep != 0)[None, :]
+    offs = tile_offsets(o, tl.zeros([1], dtype=inner.dtype), inner, O1, O2, 0, s_o0, s_o1, s_o2, s_i, VEC)
+    keep = tl.load(m_ptr + offs, mask=(inner < tl.where(valid, inner_v, 0) * VEC)[None, :], other=0)
+    return keep != 0
 
 
 @triton.jit
