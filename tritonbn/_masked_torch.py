@@ -22,6 +22,7 @@ import torch
 
 from tritonbn import _torch_backend as _base
 from tritonbn._numerics import compute_dtype
+from tritonbn._torch_ops import _channel_sums, _constants_for, _per_channel
 
 
 def _padded(mask: torch.Tensor) -> torch.Tensor:
@@ -37,8 +38,8 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
     """See :func:`tritonbn.kernels.batch_norm_stats`: ``[sum x | sum x^2 | count]`` over the real positions.
 
     As the kernel: ``d = x - p`` in the arithmetic type, ``p`` each channel's value at the first position
-    of the batch (0 when that position is padding), ``d`` 0 at padded positions, ``S1`` and ``S2`` summed
-    in float64, the shift removed in float64 with the real count ``n``.
+    of the batch (0 when that position is padding), ``d`` 0 at padded positions, ``S1`` and ``S2`` in one
+    native pass (as the unmasked launcher sums), the shift removed in float64 with the real count ``n``.
     """
     C = x.shape[1]
     acc = compute_dtype(x.dtype)
@@ -46,13 +47,10 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
         return torch.zeros(2 * C + 1, dtype=torch.float64, device=x.device)
     first = x.as_strided((C,), (x.stride(1),)).to(acc)  # x[0, :, 0, ...]
     p = torch.where(mask.reshape(-1)[:1], first, 0)  # a padded first position (any value) gives the pivot 0
-    keep = mask.unsqueeze(1)
-    d = torch.where(keep, x.to(acc) - p.view((1, C) + (1,) * (x.dim() - 2)), 0)
-    dims = [0, *range(2, x.dim())]
-    s1 = d.sum(dims, dtype=torch.float64)
-    s2 = d.square().sum(dims, dtype=torch.float64)
+    d = torch.where(mask.unsqueeze(1), x.to(acc) - _per_channel(p, x), 0)
+    s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])  # sum(d), sum(d^2): one native pass
+    s1, s2, p = torch.stack((s1, s2, p)).double().unbind()
     n = mask.sum(dtype=torch.float64).reshape(1)
-    p = p.double()
     return torch.cat((s1 + n * p, s2 + (2 * p) * s1 + n * p * p, n))
 
 

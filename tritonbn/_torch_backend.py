@@ -54,6 +54,7 @@ import threading
 
 import torch
 
+from tritonbn import _masked_torch  # masked BatchNorm's launchers, around these (it imports this module back)
 from tritonbn._numerics import compute_dtype
 from tritonbn._torch_local import local_backward, local_forward  # noqa: F401 - the local path, see _passes
 from tritonbn._torch_ops import (
@@ -61,6 +62,7 @@ from tritonbn._torch_ops import (
     _channel_sums,
     _constants_for,
     _grad_z,
+    _in_layout_of,
     _per_channel,
     _scale_shift_,
     _subtract,
@@ -105,8 +107,6 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> to
     inputs skip the shifted copy (see below): one native pass over ``x`` itself.
     """
     if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        from tritonbn import _masked_torch
-
         return _masked_torch.batch_norm_stats(x, mask=mask)
     C = x.shape[1]
     n = x.numel() // C if C else 0
@@ -196,8 +196,6 @@ def batch_norm_elemt(
     outputs, see the module docstring).
     """
     if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        from tritonbn import _masked_torch
-
         return _masked_torch.batch_norm_elemt(
             x, weight, bias, mask=mask, stats=stats, running_mean=running_mean, running_var=running_var,
             num_batches_tracked=num_batches_tracked, momentum=momentum, eps=eps, residual=residual,
@@ -236,8 +234,7 @@ def batch_norm_elemt(
             # 16-bit: native_batch_norm in eval mode, y = x * scale + (shift - hi * scale) in fp32, rounded once
             ones = _constants_for(C, acc, x.device)[1]
             y = torch.native_batch_norm(x, scale, shift, hi, ones, False, 0.0, 0.0)[0]
-            if y.stride() != x.stride():  # a layout the native kernel does not keep (not contiguous, not NHWC)
-                y = torch.empty_like(x).copy_(y)
+            y = _in_layout_of(y, x)
             return (y, None, None) if not save_stats else (y, mean64, invstd)
         z = _scale_shift_(_subtract(x, hi), scale, shift)  # torch.sub (exact near hi), then native_batch_norm
     if residual is not None:
@@ -272,8 +269,6 @@ def batch_norm_backward_reduce(
     operands are the native op's float32 sums: float64 here would add no precision).
     """
     if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        from tritonbn import _masked_torch
-
         return _masked_torch.batch_norm_backward_reduce(
             grad_out, x, mean, invstd, weight, mask=mask, weight_grad=weight_grad, bias_grad=bias_grad, bias=bias,
             activation=activation, negative_slope=negative_slope, residual=residual, output=output,
@@ -327,8 +322,6 @@ def batch_norm_backward_elemt(
     ``dx = dz * scale``: one native pass.
     """
     if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        from tritonbn import _masked_torch
-
         return _masked_torch.batch_norm_backward_elemt(
             grad_out, x, mean, invstd, weight, sums, count, mask=mask, bias=bias, activation=activation,
             negative_slope=negative_slope, residual=residual, output=output, input_grad=input_grad,

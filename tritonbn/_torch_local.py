@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from tritonbn._numerics import compute_dtype
-from tritonbn._torch_ops import _channel_sums, _constants_for, _scale_shift_, _subtract, _to
+from tritonbn._torch_ops import _channel_sums, _constants_for, _in_layout_of, _scale_shift_, _subtract, _to
 
 _aten = torch.ops.aten
 
@@ -84,8 +84,7 @@ def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches
             x, _as(weight, acc), _as(bias, acc), running_mean if native else None, running_var if native else None,
             True, float(layer.momentum) if native else 0.0, layer.eps,
         )  # fmt: skip
-        if y.stride() != x.stride():  # a layout the native kernel does not keep (not contiguous, not NHWC)
-            y = torch.empty_like(x).copy_(y)
+        y = _in_layout_of(y, x)
         mean64 = mean.double()
         var = invstd.double().pow_(-2).sub_(layer.eps) if stats_sink is not None or running_mean is not None else None
     if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n

@@ -118,3 +118,9 @@ def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     precision when ``|mean| >> std``, as in the kernels.
     """
     return torch.sub(x, _per_channel(hi, x), out=torch.empty_like(x, dtype=hi.dtype))
+
+
+def _in_layout_of(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` (a native kernel's output for ``x``) in ``x``'s layout: the native kernels keep contiguous and
+    channels_last, and give other layouts (permuted, sliced) back contiguous."""
+    return y if y.stride() == x.stride() else torch.empty_like(x).copy_(y)
