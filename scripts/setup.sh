@@ -14,3 +14,7 @@ fi
 # The installed torch is pinned for the rest (lightning, in the test extras, depends on torch): pip keeps it.
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
 .venv/bin/python -m pip install --quiet -e ".[test,plot,dev,docs]" "torch==$torch_version"
+# yapf (imported by mmengine, in the test extras) regenerates its grammar cache (~/.cache/YAPF) on its first import
+# after an install; parallel test workers importing it at once can read a half-written cache (EOFError while
+# collecting tests/integrations/test_mmengine.py). One import here writes it before any worker starts.
+.venv/bin/python -c "import yapf" 2>/dev/null || true
