@@ -166,7 +166,7 @@ def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, re
         check_signature(group, "backward", signature(x, True, input_grad), name=layer.name)
     local = ops.local_backward  # the PyTorch backend's local path (tritonbn/_torch_local.py); None for the kernels
     if local is not None and training and group is None and activation is None and residual is None and mask is None:
-        if not residual_grad:
+        if not residual_grad and x.numel():  # torch's kernels divide by the count: an empty input's are the packed
             return local(grad_out, x, weight, mean, invstd, input_grad, weight_grad, bias_grad)
     sums = dx = dw = db = dr = None
     if weight_grad or bias_grad or (input_grad and training):

@@ -119,3 +119,13 @@ def test_checkpoint_recompute_leaves_running_stats(calls):
     y.sum().backward()
     assert bn.num_batches_tracked.item() == 1, "the recompute inside backward must not count a batch"
     assert calls["forward"] == 2 and calls["backward"] == 1
+
+
+def test_empty_input_takes_the_packed_path(calls):
+    """An empty input (a rank with no samples, here with nobody to sync with): torch's kernels divide by the count
+    (a float exception on CPU), so forward and backward are the packed path's; its gradients are empty and zero."""
+    bn = tritonbn.SyncBatchNorm(3)
+    y = _step(bn, torch.randn(0, 3, 5, 5))
+    assert y.shape == (0, 3, 5, 5) and torch.equal(bn.weight.grad, torch.zeros(3))
+    assert calls == {"forward": 0, "declined": 1, "backward": 0}
+    assert bn.num_batches_tracked.item() == 0 and torch.equal(bn.running_mean, torch.zeros(3))  # no batch seen
