@@ -19,7 +19,8 @@ Backward (training)::
 
 On the PyTorch backend a layer that synchronizes with nobody (no process group, residual, activation or
 mask) takes its local path instead, torch's own passes without the packed statistics
-(:mod:`tritonbn._torch_local`); eager calls and the custom ops take it alike.
+(:mod:`tritonbn._torch_local`): here for the custom ops and calls that record no autograd; an eager call
+that records autograd runs the same ops before any Function (:func:`tritonbn.functional.run`).
 
 Each launcher is one kernel launch. Float64 inputs compute in float64 throughout (saved invstd and
 the backward sums too), so ``torch.autograd.gradcheck`` holds at its default tolerances.

@@ -56,7 +56,7 @@ import torch
 
 from tritonbn import _masked_torch  # masked BatchNorm's launchers, around these (it imports this module back)
 from tritonbn._numerics import compute_dtype
-from tritonbn._torch_local import local_backward, local_forward  # noqa: F401 - the local path, see _passes
+from tritonbn._torch_local import local_autograd, local_backward, local_forward  # noqa: F401 - the local path
 from tritonbn._torch_ops import (
     _activate_,
     _channel_sums,

@@ -1,35 +1,51 @@
-"""The PyTorch backend's local path: a training layer that synchronizes with nobody, in a few native ops.
+"""The PyTorch backend's local path: a training layer that synchronizes with nobody, in torch's own ops.
 
 With no process group to sum over (one process, world size 1, or eval without running statistics),
-the statistics need not be packed for an all-reduce: :func:`tritonbn._passes.forward_pass` and
-:func:`~tritonbn._passes.backward_pass` hand such a layer (no residual, activation or mask) to
-:func:`local_forward` and :func:`local_backward`, which make the
-passes torch's own CPU BatchNorm makes, and about a third of the backend's per-channel ops, the fixed
-cost small layers pay (``benchmarks/cpu_train_step.py``). Both paths (eager and the custom ops) take
-them alike, so they still agree bitwise.
+the statistics need not be packed for an all-reduce. A layer with no residual, activation or mask then
+makes the passes torch's own CPU BatchNorm makes (``benchmarks/cpu_train_step.py`` times it against
+``nn.BatchNorm2d``), in one of two forms that compute the same numbers:
+
+* :func:`local_autograd`, for an eager call that records autograd (:func:`tritonbn.functional.run`): the
+  ops are recorded by torch's autograd itself, with no ``autograd.Function``, so that the backward (and the
+  double backward, and forward-mode AD) are torch's own nodes, as in ``nn.BatchNorm2d``;
+* :func:`local_forward` and :func:`local_backward`, which :func:`tritonbn._passes.forward_pass` and
+  :func:`~tritonbn._passes.backward_pass` call (the custom ops, and calls that record nothing), and which
+  write ``y`` over the shifted copy.
 
 The numerical promises are the backend's (see :mod:`tritonbn._torch_backend`):
 
 * float32 / float64: ``d = x - p`` first (``p`` each channel's first element; ``torch.sub``, exact
-  where ``x`` is within a factor 2 of ``p``), then ``torch.var_mean`` of ``d`` (accumulated in float64
-  on CPU) and ``y = (d - mean_d) * invstd * w + b`` by ``torch.native_batch_norm`` in eval mode over
-  ``d`` itself. Every step sees numbers of the size of the standard deviation, so ``|mean| / std =
-  1e3`` keeps float32 precision. The backward forms ``d`` again and runs
-  ``aten.native_batch_norm_backward`` on it with the mean ``mean - p`` (float64, rounded once).
+  where ``x`` is within a factor 2 of ``p``), then torch's training kernel over ``d``
+  (``torch.native_batch_norm``: the mean, then the variance about it, each summed in float64;
+  ``y = d * alpha + beta`` with ``alpha = invstd * w``, ``beta = b - mean_d * alpha``) and its
+  backward (``aten.native_batch_norm_backward`` over ``d``, with ``mean_d``). Every step sees numbers
+  of the size of the standard deviation, so ``|mean| / std = 1e3`` keeps float32 precision. ``d`` has
+  the gradient of ``x`` (``p`` is a constant to it: batch norm does not change when a channel is
+  shifted). Both forms run the same kernels on the same ``d``, so eager and compiled calls agree bitwise.
 * float16 / bfloat16: ``torch.native_batch_norm`` in training mode (statistics in float32) and its
   backward, on ``x`` itself: the affine form's error stays below 16-bit rounding (see the backend's
   module docstring).
-* The running statistics are updated in float64 and rounded once, as the kernels do (the variance
-  unbiased); ``num_batches_tracked`` grows by one. Under ``accumulate_stats`` the packed sums
-  ``[n mean | n (var + mean^2) | n]`` are added to the layer's sink instead, in float64.
+* The running statistics of the arithmetic type are updated by torch's kernel (``momentum * value +
+  (1 - momentum) * r``; the variance unbiased), the mean's less ``p`` and ``p`` added back (exact where
+  the mean lies within a factor 2 of ``p``, the case that needs it); others (float32 buffers of a
+  float64 layer, 16-bit buffers) in float64, rounded once. ``num_batches_tracked`` grows by one. Under
+  ``accumulate_stats`` the packed sums ``[n mean | n (var + mean^2) | n]`` are added to the layer's sink
+  instead, in float64.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tritonbn._compat import current_graph_task_id
 from tritonbn._numerics import compute_dtype
-from tritonbn._torch_ops import _channel_sums, _constants_for, _in_layout_of, _scale_shift_, _subtract, _to
+from tritonbn._torch_ops import (
+    _in_layout_of,
+    _native_layout,
+    _per_channel,
+    _subtract,
+    _to,
+)
 
 _aten = torch.ops.aten
 
@@ -43,62 +59,97 @@ def _first(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.shape[1],), (x.stride(1),))
 
 
-def _update_running(running_mean, running_var, mean64, var64, n, momentum) -> None:
-    """``r + momentum * (value - r)`` in float64, rounded once into each buffer; the variance unbiased."""
+def _update_running(running_mean, running_var, mean64, unbiased, momentum) -> None:
+    """``r + momentum * (value - r)`` in float64, rounded once into each buffer (buffers torch's kernels cannot
+    update: another dtype than the arithmetic one)."""
     torch.add(running_mean, mean64 - running_mean, alpha=momentum, out=running_mean)
-    unbiased = var64.double().mul_(n / max(n - 1, 1))
-    torch.add(running_var, unbiased.sub_(running_var), alpha=momentum, out=running_var)
+    torch.add(running_var, unbiased.double() - running_var, alpha=momentum, out=running_var)
+
+
+def _train_(d, weight, bias, rm, rv, momentum, eps):
+    """``(y, mean, invstd)`` of ``d`` by torch's training kernel (statistics in two passes, summed in float64), ``y``
+    written over ``d`` where its layout allows; ``rm`` / ``rv`` take ``momentum`` of the mean and unbiased variance."""
+    if not _native_layout(d):  # the native kernels' strided path: y comes back contiguous
+        y, mean, invstd = torch.native_batch_norm(d, weight, bias, rm, rv, True, momentum, eps)
+        return _in_layout_of(y, d), mean, invstd
+    empty = d.new_empty(0)  # resized by the call
+    # each element is read before it is written over (as in _scale_shift_)
+    return torch.native_batch_norm(d, weight, bias, rm, rv, True, momentum, eps, out=(d, empty, empty.clone()))
+
+
+def applies(layer, x: torch.Tensor, running_mean: torch.Tensor | None, stats_sink) -> bool:
+    """Whether the local path takes this training call: two values or more per channel, and no cumulative
+    average of running statistics (``momentum=None``: the packed path computes its factor)."""
+    return x.numel() > x.shape[1] and (layer.momentum is not None or running_mean is None or stats_sink is not None)
+
+
+def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, recorded):
+    """``(y, mean, invstd)``: the local training forward (see the module docstring). ``recorded``: the ops are
+    autograd's to record (``y`` a fresh tensor, and ``mean`` ``None`` where nothing reads it); otherwise ``y`` is
+    written over the shifted copy."""
+    C = x.shape[1]
+    n = x.numel() // C
+    if stats_sink is not None:
+        running_mean = running_var = num_batches_tracked = None
+    acc = compute_dtype(x.dtype)
+    w, b = _as(weight, acc), _as(bias, acc)
+    own = running_mean is not None and running_mean.dtype == acc  # buffers torch's kernels update themselves
+    momentum = float(layer.momentum) if own else 1.0
+    if x.dtype == acc:
+        p = _first(x.detach())
+        d = x - _per_channel(p, x) if recorded else _subtract(x, p)
+        # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
+        rm, rv = (torch.sub(running_mean, p), running_var) if own else torch.zeros(2, C, dtype=acc, device=x.device)
+        if recorded:
+            y, mean_d, invstd = torch.native_batch_norm(d, w, b, rm, rv, True, momentum, layer.eps)
+        else:
+            y, mean_d, invstd = _train_(d, w, b, rm, rv, momentum, layer.eps)
+        if own:
+            torch.add(rm, p, out=running_mean)
+        # float64 (out of place: a float64 mean_d is that tensor itself); a recorded call with its buffers updated
+        # reads it nowhere
+        mean = None if recorded and own else torch.add(mean_d.detach().double(), p)
+        unbiased = rv
+    else:  # torch's training kernel in its mixed-type form (16-bit input, float32 parameters): float32 statistics
+        y, mean, invstd = torch.native_batch_norm(
+            x, w, b, running_mean if own else None, running_var if own else None, True, momentum, layer.eps
+        )
+        y, mean = (y if recorded else _in_layout_of(y, x)), mean.detach().double()
+        unbiased = None if own else invstd.detach().double().pow_(-2).sub_(layer.eps).mul_(n / (n - 1))
+    if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n
+        stats_sink[:C].add_(mean, alpha=n)
+        stats_sink[C : 2 * C].add_(torch.addcmul(unbiased.double() * ((n - 1) / n), mean, mean), alpha=n)
+        stats_sink[2 * C :].add_(n)
+    elif running_mean is not None:
+        if not own:
+            _update_running(running_mean, running_var, mean, unbiased, float(layer.momentum))
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+    return y, mean, invstd
+
+
+def local_autograd(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink):
+    """``y`` of an eager training call whose ops autograd records (see the module docstring), or ``None`` where
+    the local path does not apply or the layout is not one torch's kernels keep (the Function takes those)."""
+    if not (applies(layer, x, running_mean, stats_sink) and _native_layout(x)):
+        return None
+    if current_graph_task_id() != -1:  # a recompute inside backward (checkpointing) leaves the buffers alone
+        running_mean = running_var = num_batches_tracked = None
+    return _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, True)[0]
 
 
 def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink):
-    """``(y, mean, invstd, None)`` of a training forward over ``x`` alone, or ``None`` where it does not apply
-    (an empty input, or ``momentum=None`` with running statistics: the packed path computes its factor).
+    """``(y, mean, invstd, None)`` of a training forward over ``x`` alone (``mean`` float64), or ``None`` where
+    the local path does not apply (:func:`applies`).
 
     ``stats_sink`` (:func:`tritonbn.accumulate_stats`): the packed ``[sum x | sum x^2 | n]`` of ``x`` is
     added into it, in float64, in place of the running-stat update.
     """
-    C = x.shape[1]
-    n = x.numel() // C
-    if n == 0 or (layer.momentum is None and running_mean is not None and stats_sink is None):
+    if not applies(layer, x, running_mean, stats_sink):
         return None
-    if stats_sink is not None:
-        running_mean = running_var = num_batches_tracked = None
-    acc = compute_dtype(x.dtype)
-    if x.dtype == acc:
-        p = _to(_first(x), acc)
-        d = _subtract(x, p)
-        s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])  # sum(d), sum(d^2): one native pass
-        mean_d = s1.div_(n)
-        var = torch.addcmul(s2.div_(n), mean_d, mean_d, value=-1.0).clamp_min_(0.0)  # |mean_d| ~ std: no cancellation
-        invstd = (var + layer.eps).rsqrt_()
-        scale = invstd * _to(weight, acc) if weight is not None else invstd
-        shift = torch.addcmul(_to(bias, acc), mean_d, scale, value=-1.0) if bias is not None else -mean_d * scale
-        y = _scale_shift_(d, scale, shift)
-        mean64 = mean_d.double().add_(p)
-        native = False
-    else:
-        # torch's own training kernel, its mixed-type form (16-bit input, float32 parameters): statistics in
-        # float32; it updates float32 running statistics itself (unbiased), others are updated below
-        native = running_mean is not None and running_mean.dtype == acc
-        y, mean, invstd = torch.native_batch_norm(
-            x, _as(weight, acc), _as(bias, acc), running_mean if native else None, running_var if native else None,
-            True, float(layer.momentum) if native else 0.0, layer.eps,
-        )  # fmt: skip
-        y = _in_layout_of(y, x)
-        mean64 = mean.double()
-        var = invstd.double().pow_(-2).sub_(layer.eps) if stats_sink is not None or running_mean is not None else None
-    if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n
-        stats_sink[:C].add_(mean64, alpha=n)
-        stats_sink[C : 2 * C].add_(torch.addcmul(var.double(), mean64, mean64), alpha=n)
-        stats_sink[2 * C :].add_(n)
-    elif running_mean is not None:
-        if not native:
-            _update_running(running_mean, running_var, mean64, var, n, float(layer.momentum))
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(1)
-    if not save_stats:
-        return y, None, None, None
-    return y, mean64, invstd, None
+    y, mean, invstd = _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink,
+                               False)  # fmt: skip
+    return (y, mean, invstd, None) if save_stats else (y, None, None, None)
 
 
 def local_backward(grad_out, x, weight, mean, invstd, input_grad, weight_grad, bias_grad):
@@ -107,9 +158,8 @@ def local_backward(grad_out, x, weight, mean, invstd, input_grad, weight_grad, b
     mask = [input_grad, weight_grad, bias_grad]
     w = _as(weight, acc)
     if x.dtype == acc:
-        p = _first(x).double()
-        xs = _subtract(x, _to(p, acc))  # d = x - p, as the forward
-        mean = mean - p
+        p = _first(x)
+        xs, mean = _subtract(x, p), mean - p  # d = x - p and its mean, exactly the forward's
     else:  # torch's mixed-type form: a 16-bit input with float32 statistics (a float32 one where dy is not 16-bit)
         xs = x if grad_out.dtype == x.dtype else x.float()
     dy = grad_out if grad_out.dtype == xs.dtype else grad_out.to(xs.dtype)

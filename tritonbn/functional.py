@@ -1,10 +1,12 @@
 """The functional form, :func:`sync_batch_norm`, and the dispatch every call goes through (:func:`run`).
 
-A call is checked (:mod:`tritonbn._checks`), then runs one of three ways, each over the same two passes
+A call is checked (:mod:`tritonbn._checks`), then runs one of four ways, each over the same two passes
 (:mod:`tritonbn._passes`, where the data path and the gradient derivation are written out):
 
 * under an exporting tracer (``torch.export``, ONNX, ``jit.trace``): torch's own ops (:mod:`tritonbn._export`);
-* eager, with autograd: :class:`tritonbn._eager.EagerBatchNormFunction`, straight over the launchers;
+* eager, with autograd: :class:`tritonbn._eager.EagerBatchNormFunction`, straight over the launchers (on
+  the PyTorch backend, a layer that synchronizes with nobody runs torch's own ops instead, which autograd
+  records itself: :func:`tritonbn._torch_local.local_autograd`);
 * compiled, traced, or under a transform or dispatch mode: the custom ops (:mod:`tritonbn._custom_ops`);
 * without autograd (inference, or nothing needs a gradient): :func:`tritonbn._passes.forward_pass` alone.
 """
@@ -118,6 +120,14 @@ def run(
         )  # fmt: skip
     ops = ops_for(input)
     if input_grad or (grad_mode and params_need_grad(weight, bias, residual)) or forward_ad_active():
+        # The PyTorch backend's local path, recorded by autograd itself (None for the kernels). Forward-mode AD
+        # keeps the Function: an outer torch.compile resumed after its graph break would trace these ops
+        local = ops.local_autograd
+        if local is not None and training and layer.group is None and residual is None and mask is None:
+            if layer.activation is None and not forward_ad_active():
+                y = local(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink)
+                if y is not None:
+                    return y
         nondiff = (ops, layer, running_mean, running_var, num_batches_tracked, stats_sink, mask)
         return apply_eager(input, weight, bias, residual, nondiff)
     return forward_pass(

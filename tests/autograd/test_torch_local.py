@@ -14,24 +14,34 @@ from oracle import PARAM_GRAD_TOL, TOLERANCES, Oracle, make_layout
 import tritonbn
 from tritonbn import _torch_backend
 
+FORMS = ["autograd", "function"]
+
 
 @pytest.fixture
-def calls(monkeypatch):
-    """Count the local path's calls, and the times the forward declined."""
-    seen = {"forward": 0, "declined": 0, "backward": 0}
-    forward, backward = _torch_backend.local_forward, _torch_backend.local_backward
+def calls(monkeypatch, form):
+    """Count the local path's calls, and the times it declined. ``form``: an eager call records torch's own ops
+    (``local_autograd``), or, with that taken away, takes the autograd.Function over ``local_forward`` and
+    ``local_backward``, as the custom ops (torch.compile) and calls without autograd do."""
+    seen = {"autograd": 0, "forward": 0, "declined": 0, "backward": 0}
+    forward, backward, recorded = (
+        _torch_backend.local_forward,
+        _torch_backend.local_backward,
+        _torch_backend.local_autograd,
+    )
 
-    def counting_forward(*args):
-        out = forward(*args)
-        seen["forward" if out is not None else "declined"] += 1
-        return out
+    def counting(key, function):
+        def count(*args):
+            out = function(*args)
+            seen[key if out is not None else "declined"] += 1
+            return out
 
-    def counting_backward(*args):
-        seen["backward"] += 1
-        return backward(*args)
+        return count
 
-    monkeypatch.setattr(_torch_backend, "local_forward", counting_forward)
-    monkeypatch.setattr(_torch_backend, "local_backward", counting_backward)
+    monkeypatch.setattr(_torch_backend, "local_forward", counting("forward", forward))
+    monkeypatch.setattr(_torch_backend, "local_backward", counting("backward", backward))
+    monkeypatch.setattr(
+        _torch_backend, "local_autograd", counting("autograd", recorded) if form == "autograd" else None
+    )
     monkeypatch.setenv("TRITONBN_BACKEND", "torch")
     return seen
 
@@ -43,26 +53,42 @@ def _step(bn, x, **kwargs):
     return y
 
 
-def test_taken_where_it_applies(calls):
+@pytest.mark.parametrize("form", FORMS)
+def test_taken_where_it_applies(calls, form):
     x = torch.randn(4, 3, 5, 5)
+    taken = {"autograd": 0, "forward": 0, "declined": 0, "backward": 0}
+    local = "autograd" if form == "autograd" else "forward"
+
+    def expect(**changes):
+        taken.update({key: taken[key] + value for key, value in changes.items()})
+        assert calls == taken
+
     _step(tritonbn.SyncBatchNorm(3), x)
-    assert calls == {"forward": 1, "declined": 0, "backward": 1}
+    expect(**{local: 1}, backward=int(form == "function"))
     _step(tritonbn.SyncBatchNorm(3, momentum=None), x)  # a cumulative average: the packed path's forward
-    assert calls == {"forward": 1, "declined": 1, "backward": 2}
+    expect(declined=1 + int(form == "autograd"), backward=1)  # declined by both forms; its backward is local
     _step(tritonbn.SyncBatchNorm(3, activation="relu"), x)
     _step(tritonbn.SyncBatchNorm(3), x, residual=torch.randn_like(x).requires_grad_())
     _step(tritonbn.SyncBatchNorm(3), x, mask=torch.ones(4, 5, 5, dtype=torch.bool))
-    assert calls == {"forward": 1, "declined": 1, "backward": 2}, "epilogues and masks take the packed path"
+    expect()  # epilogues and masks take the packed path
     with tritonbn.accumulate_stats(bn := tritonbn.SyncBatchNorm(3, momentum=None)):
         _step(bn, x)  # pooled statistics: the local path adds them to the sink (any momentum)
-    assert calls == {"forward": 2, "declined": 1, "backward": 3}
+    expect(**{local: 1}, backward=int(form == "function"))
     torch.testing.assert_close(bn.running_mean, x.mean((0, 2, 3)), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(bn.running_var, x.var((0, 2, 3)), atol=1e-6, rtol=1e-6)
+    bn = tritonbn.SyncBatchNorm(3)
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function, with its jvp
+        bn(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+    expect(forward=1)
+    with torch.no_grad():  # nothing recorded: local_forward
+        bn(x)
+    expect(forward=1)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted"])
-def test_large_mean_keeps_precision(calls, dtype, layout):
+def test_large_mean_keeps_precision(calls, form, dtype, layout):
     torch.manual_seed(4)
     x = make_layout(torch.randn(6, 4, 9, 7, dtype=torch.float64) * 0.5 + 1e3, layout).to(dtype).requires_grad_()
     dy = torch.randn(6, 4, 9, 7, dtype=dtype)
@@ -79,12 +105,21 @@ def test_large_mean_keeps_precision(calls, dtype, layout):
     torch.testing.assert_close(bn.running_mean.double(), oracle.running_mean, atol=tol[0], rtol=tol[1])
     assert bn.num_batches_tracked.item() == 1
     assert y.stride() == torch.empty_like(x).stride()
-    assert calls["forward"] == 1 and calls["backward"] == 1
+    _assert_taken(calls, form, layout, 1)
 
 
+def _assert_taken(calls, form, layout, steps):
+    """The form asked for took ``steps`` steps (a layout torch's kernels do not keep: the Function's)."""
+    if form == "autograd" and layout != "permuted":
+        assert calls["autograd"] == steps and calls["forward"] == calls["backward"] == 0
+    else:
+        assert calls["forward"] == calls["backward"] == steps and calls["autograd"] == 0
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("params", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted"])
-def test_bfloat16(calls, params, layout):
+def test_bfloat16(calls, form, params, layout):
     torch.manual_seed(5)
     x = make_layout(torch.randn(6, 4, 5, 7) * 2 + 3, layout).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(6, 4, 5, 7).to(torch.bfloat16)
@@ -109,23 +144,33 @@ def test_bfloat16(calls, params, layout):
         torch.testing.assert_close(bn.running_var.double(), oracle.running_var, atol=rtol, rtol=rtol)
         assert y.stride() == torch.empty_like(x).stride()
     assert bn.num_batches_tracked.item() == 2
-    assert calls["forward"] == 2 and calls["backward"] == 2
+    _assert_taken(calls, form, layout, 2)
 
 
-def test_checkpoint_recompute_leaves_running_stats(calls):
+@pytest.mark.parametrize("form", FORMS)
+def test_checkpoint_recompute_leaves_running_stats(calls, form):
     bn = tritonbn.SyncBatchNorm(3)
     x = torch.randn(4, 3, 6, requires_grad=True)
+    dy = torch.randn(4, 3, 6)
     y = torch.utils.checkpoint.checkpoint(bn, x, use_reentrant=False)
-    y.sum().backward()
+    y.backward(dy)
     assert bn.num_batches_tracked.item() == 1, "the recompute inside backward must not count a batch"
-    assert calls["forward"] == 2 and calls["backward"] == 1
+    dx = x.grad
+    x.grad = None
+    tritonbn.SyncBatchNorm(3)(x).backward(dy)
+    assert torch.equal(dx, x.grad)
+    if form == "autograd":  # the recompute stops inside the call once its saved tensors are made again (uncounted)
+        assert calls["autograd"] == 2 and calls["forward"] == calls["backward"] == 0
+    else:
+        assert calls["forward"] == 3 and calls["backward"] == 2
 
 
-def test_empty_input_takes_the_packed_path(calls):
+@pytest.mark.parametrize("form", FORMS)
+def test_empty_input_takes_the_packed_path(calls, form):
     """An empty input (a rank with no samples, here with nobody to sync with): torch's kernels divide by the count
     (a float exception on CPU), so forward and backward are the packed path's; its gradients are empty and zero."""
     bn = tritonbn.SyncBatchNorm(3)
     y = _step(bn, torch.randn(0, 3, 5, 5))
     assert y.shape == (0, 3, 5, 5) and torch.equal(bn.weight.grad, torch.zeros(3))
-    assert calls == {"forward": 0, "declined": 1, "backward": 0}
+    assert calls == {"autograd": 0, "forward": 0, "declined": 1 + int(form == "autograd"), "backward": 0}
     assert bn.num_batches_tracked.item() == 0 and torch.equal(bn.running_mean, torch.zeros(3))  # no batch seen

@@ -29,7 +29,7 @@ from tritonbn.kernels.elemt import batch_norm_elemt
 from tritonbn.kernels.stats import batch_norm_stats
 
 # The kernels have no local path (the PyTorch backend's tritonbn/_torch_local.py): every call packs its statistics.
-local_forward = local_backward = None
+local_forward = local_backward = local_autograd = None
 
 __all__ = [
     "Plan",
