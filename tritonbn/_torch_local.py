@@ -16,7 +16,8 @@ The numerical promises are the backend's (see :mod:`tritonbn._torch_backend`):
 
 * float32 / float64: ``d = x - p`` first (``p`` each channel's first element; ``torch.sub``, exact
   where ``x`` is within a factor 2 of ``p``), then torch's training kernel over ``d``
-  (``torch.native_batch_norm``: the mean, then the variance about it, each summed in float64;
+  (``torch.native_batch_norm``: the mean, then the variance about it, summed as ``nn.BatchNorm2d`` sums
+  them, in float64 or float32 by layout and torch version;
   ``y = d * alpha + beta`` with ``alpha = invstd * w``, ``beta = b - mean_d * alpha``) and its
   backward (``aten.native_batch_norm_backward`` over ``d``, with ``mean_d``). Every step sees numbers
   of the size of the standard deviation, so ``|mean| / std = 1e3`` keeps float32 precision. ``d`` has
@@ -67,8 +68,8 @@ def _update_running(running_mean, running_var, mean64, unbiased, momentum) -> No
 
 
 def _train_(d, weight, bias, rm, rv, momentum, eps):
-    """``(y, mean, invstd)`` of ``d`` by torch's training kernel (statistics in two passes, summed in float64), ``y``
-    written over ``d`` where its layout allows; ``rm`` / ``rv`` take ``momentum`` of the mean and unbiased variance."""
+    """``(y, mean, invstd)`` of ``d`` by torch's training kernel (the mean, then the variance about it), ``y`` written
+    over ``d`` where its layout allows; ``rm`` / ``rv`` take ``momentum`` of the mean and unbiased variance."""
     if not _native_layout(d):  # the native kernels' strided path: y comes back contiguous
         y, mean, invstd = torch.native_batch_norm(d, weight, bias, rm, rv, True, momentum, eps)
         return _in_layout_of(y, d), mean, invstd
