@@ -53,6 +53,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_nets  # noqa: E402
+from results_file import write_section  # noqa: E402
 
 import tritonbn  # noqa: E402
 from tritonbn.cli._spawn import spawn  # noqa: E402
@@ -208,6 +209,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def section(meta: dict, rows: list[dict], worst: float) -> str:
+    """The RESULTS.md section of a run (``--results``): what was run, where, and the table."""
+    load = ", ".join(f"{v:.1f}" for v in meta["load_average"])
+    return (
+        f"Written by `python benchmarks/cpu_train_step.py{' --small' if meta['small'] else ''} --results ...` on "
+        f"{meta['date']}: {meta['machine']}, {meta['cpus']} CPUs, one thread, torch {meta['torch']}, Python "
+        f"{meta['python']}, load average {load} at the end; batch {meta['batch']}, median of {meta['reps']} steps "
+        f"after {meta['warmup']} warm-up steps, plain and tritonbn alternated; ratio = tritonbn / plain. Worst "
+        f"one-process ratio {worst:.3f}; {meta['seconds']:.0f} s.\n\n{table(rows)}\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="CI sizes: smaller images (and ResNet at half width)")
@@ -221,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bn-layers", action="store_true", help="also time each network's BatchNorm layers alone")
     p.add_argument("--json", metavar="OUT", help="write the figures to this JSON file")
     p.add_argument("--max-ratio", type=float, metavar="R", help="exit 1 when a single-process ratio exceeds R")
+    p.add_argument("--results", metavar="PATH", help="also write the table into this RESULTS.md, between the "
+                   "cpu-train-step markers")  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -240,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "worst_ratio": worst, "results": rows}, f, indent=1)
+    if args.results:
+        write_section(args.results, "cpu-train-step", section(meta, rows, worst))
     if args.max_ratio is not None and worst > args.max_ratio:
         print(f"cpu_train_step: worst ratio {worst:.3f} exceeds --max-ratio {args.max_ratio}", file=sys.stderr)
         return 1

@@ -69,10 +69,15 @@ def test_script_fails_above_max_ratio(tmp_path):
 
 
 def test_script_times_the_batchnorm_layers_alone(tmp_path):
-    result, out = _run(tmp_path, "--layouts", "contiguous", "--no-ddp", "--bn-layers")
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\n<!-- cpu-train-step:begin -->\nold\n<!-- cpu-train-step:end -->\n\n## After\n")
+    result, out = _run(tmp_path, "--layouts", "contiguous", "--no-ddp", "--bn-layers", "--results", str(results))
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(out.read_text())["results"]
     assert row["bn_layers"] == BN_LAYERS["mobilenet"]
     assert row["bn_plain_ms"] > 0 and row["bn_tritonbn_ms"] > 0
     assert row["bn_extra_us_per_layer"] == pytest.approx(1e3 * (row["bn_tritonbn_ms"] - row["bn_plain_ms"]) / 34)
     assert "extra per layer" in result.stdout
+    text = results.read_text()  # --results: the table between the markers, the rest of the file kept
+    assert "old" not in text and text.startswith("# Results") and text.rstrip().endswith("## After")
+    assert "| mobilenet | fp32 | contiguous |" in text.split("<!-- cpu-train-step:begin -->")[1].split("end -->")[0]
