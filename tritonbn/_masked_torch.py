@@ -22,7 +22,7 @@ import torch
 
 from tritonbn import _torch_backend as _base
 from tritonbn._numerics import compute_dtype
-from tritonbn._torch_ops import _channel_sums, _constants_for, _per_channel
+from tritonbn._torch_ops import _channel_sums, _constants_for, _first, _per_channel
 
 
 def _padded(mask: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
     acc = compute_dtype(x.dtype)
     if x.numel() == 0:
         return torch.zeros(2 * C + 1, dtype=torch.float64, device=x.device)
-    first = x.as_strided((C,), (x.stride(1),)).to(acc)  # x[0, :, 0, ...]
+    first = _first(x).to(acc)  # x[0, :, 0, ...]
     p = torch.where(mask.reshape(-1)[:1], first, 0)  # a padded first position (any value) gives the pivot 0
     d = torch.where(mask.unsqueeze(1), x.to(acc) - _per_channel(p, x), 0)
     s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])  # sum(d), sum(d^2): one native pass

@@ -61,6 +61,7 @@ from tritonbn._torch_ops import (
     _activate_,
     _channel_sums,
     _constants_for,
+    _first,
     _grad_z,
     _in_layout_of,
     _per_channel,
@@ -113,7 +114,7 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> to
     if n == 0:
         return torch.zeros(2 * C + 1, dtype=torch.float64, device=x.device)  # count 0
     acc = compute_dtype(x.dtype)
-    p = _to(x.as_strided((C,), (x.stride(1),)), acc)  # each channel's first element (x[0, :, 0, ...])
+    p = _to(_first(x), acc)  # each channel's first element (x[0, :, 0, ...])
     if x.dtype == acc:
         d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
         _shifted.entry = (x, _version(x), d)  # batch_norm_elemt writes y over d (see _take_shifted)
@@ -222,7 +223,7 @@ def batch_norm_elemt(
     if d is not None:
         # d = x - p from the statistics: y = d * scale + (bias - (mean - p) * scale), the shift in fp64 and
         # rounded once, by native_batch_norm in eval mode over d itself (see the module docstring)
-        m = mean64 - x.as_strided((C,), (x.stride(1),))
+        m = mean64 - _first(x)
         shift = torch.addcmul(bias, m, scale, value=-1.0) if bias is not None else m.mul_(scale).neg_()
         z = _scale_shift_(d, scale, _to(shift, acc))
     else:

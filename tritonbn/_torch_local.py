@@ -41,6 +41,7 @@ import torch
 from tritonbn._compat import current_graph_task_id
 from tritonbn._numerics import compute_dtype
 from tritonbn._torch_ops import (
+    _first,
     _in_layout_of,
     _native_layout,
     _per_channel,
@@ -53,11 +54,6 @@ _aten = torch.ops.aten
 
 def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else _to(t, dtype)
-
-
-def _first(x: torch.Tensor) -> torch.Tensor:
-    """Each channel's first element, ``x[0, :, 0, ...]``: the shift."""
-    return x.as_strided((x.shape[1],), (x.stride(1),))
 
 
 def _update_running(running_mean, running_var, mean64, unbiased, momentum) -> None:

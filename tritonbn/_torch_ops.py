@@ -19,6 +19,11 @@ def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return v.view((1, -1) + _ONES[x.dim()])
 
 
+def _first(x: torch.Tensor) -> torch.Tensor:
+    """Each channel's first element, ``x[0, :, 0, ...]`` (a view): the shift the statistics take off."""
+    return x.as_strided((x.shape[1],), (x.stride(1),))
+
+
 def _constants_for(C: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``(zeros (C,), ones (C,), empty, empty)`` made once per (C, dtype, device); the native calls read them
     (the empties are the unused ``save_mean`` / ``save_invstd`` outputs of an eval-mode ``out=`` call).
