@@ -109,6 +109,12 @@ def kept_for_backward(y, residual, layer):
     return residual, None
 
 
+def synchronizes_with_nobody(layer, residual, mask) -> bool:
+    """Whether a call can take the PyTorch backend's local path (:mod:`tritonbn._torch_local`): training with no
+    process group, and no residual, activation or mask."""
+    return layer.training and layer.group is None and layer.activation is None and residual is None and mask is None
+
+
 def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual,
                  save_stats=True, stats_sink=None, mask=None):  # fmt: skip
     """The forward pass over the launchers in ``ops``: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
@@ -134,7 +140,7 @@ def forward_pass(ops, layer, x, weight, bias, running_mean, running_var, num_bat
     if current_graph_task_id() != -1:  # in_backward(), inline: the hot path
         running_mean = running_var = num_batches_tracked = None
     local = ops.local_forward  # the PyTorch backend's local path (tritonbn/_torch_local.py); None for the kernels
-    if local is not None and layer.group is None and residual is None and layer.activation is None and mask is None:
+    if local is not None and synchronizes_with_nobody(layer, residual, mask):
         out = local(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink)
         if out is not None:
             return out
@@ -166,7 +172,7 @@ def backward_pass(ops, layer, grad_out, x, weight, bias, mean, invstd, stats, re
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", signature(x, True, input_grad), name=layer.name)
     local = ops.local_backward  # the PyTorch backend's local path (tritonbn/_torch_local.py); None for the kernels
-    if local is not None and training and group is None and activation is None and residual is None and mask is None:
+    if local is not None and synchronizes_with_nobody(layer, residual, mask):
         if not residual_grad and x.numel():  # torch's kernels divide by the count: an empty input's are the packed
             return local(grad_out, x, weight, mean, invstd, input_grad, weight_grad, bias_grad)
     sums = dx = dw = db = dr = None

@@ -20,7 +20,7 @@ from tritonbn._compat import forward_ad_active, functorch_transforms_active
 from tritonbn._custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD, group_name
 from tritonbn._eager import apply_eager, is_eager, params_need_grad
 from tritonbn._export import exporter, lowered
-from tritonbn._passes import Layer, forward_pass
+from tritonbn._passes import Layer, forward_pass, synchronizes_with_nobody
 from tritonbn.backend import ops_for
 from tritonbn.distributed import check_signature, debug_enabled, resolve_group
 
@@ -123,11 +123,10 @@ def run(
         # The PyTorch backend's local path, recorded by autograd itself (None for the kernels). Forward-mode AD
         # keeps the Function: an outer torch.compile resumed after its graph break would trace these ops
         local = ops.local_autograd
-        if local is not None and training and layer.group is None and residual is None and mask is None:
-            if layer.activation is None and not forward_ad_active():
-                y = local(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink)
-                if y is not None:
-                    return y
+        if local is not None and synchronizes_with_nobody(layer, residual, mask) and not forward_ad_active():
+            y = local(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink)
+            if y is not None:
+                return y
         nondiff = (ops, layer, running_mean, running_var, num_batches_tracked, stats_sink, mask)
         return apply_eager(input, weight, bias, residual, nondiff)
     return forward_pass(
