@@ -111,7 +111,7 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
         y, mean, invstd = torch.native_batch_norm(
             x, w, b, running_mean if own else None, running_var if own else None, True, momentum, layer.eps
         )
-        y, mean = (y if recorded else _in_layout_of(y, x)), mean.detach().double()
+        y, mean = (y if recorded else _in_layout_of(y, x)), (None if recorded and own else mean.detach().double())
         unbiased = None if own else invstd.detach().double().pow_(-2).sub_(layer.eps).mul_(n / (n - 1))
     if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n
         stats_sink[:C].add_(mean, alpha=n)
