@@ -68,7 +68,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tritonbn  # noqa: E402
-from tritonbn import _checks, _eager, _passes, backend, functional  # noqa: E402
+from tritonbn import backend  # noqa: E402
+from tritonbn._core import call, dispatch, eager  # noqa: E402
+from tritonbn._core import passes as data_path  # noqa: E402
+from tritonbn._core.checks import check_inputs  # noqa: E402
 from tritonbn.activations import check_activation  # noqa: E402
 from tritonbn.cli.resnet50 import resnet50  # noqa: E402
 from tritonbn.kernels import _launch, plan  # noqa: E402
@@ -157,7 +160,7 @@ def _fake_compile(self, key, signature, device, constexprs, options, attrs, warm
     return kernel
 
 
-_EAGER = functional.is_eager
+_EAGER = dispatch.is_eager
 
 
 def stub_launches() -> None:
@@ -165,7 +168,7 @@ def stub_launches() -> None:
     Launch.__call__ = _stub_call
     _launch.DIRECT = True
     _FakeKernel.fill = False
-    functional.is_eager = _EAGER
+    dispatch.is_eager = _EAGER
 
 
 def stub_and_fill() -> None:
@@ -187,7 +190,7 @@ def direct_and_fill() -> None:
 def custom_op_path() -> None:
     """Launches stubbed, and every call through the custom ops (the compiled path; eager before issue 12)."""
     stub_launches()
-    functional.is_eager = lambda x: False
+    dispatch.is_eager = lambda x: False
 
 
 def bind_launches() -> None:
@@ -272,11 +275,11 @@ def layer_cases():
     g = torch.randn(SHAPE)
     rm, rv, w, b, nbt = bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.num_batches_tracked
     ops = backend.ops_for(x)
-    layer = _passes.Layer(True, 0.1, 1e-5)
-    spec = (ops, layer, rm, rv, nbt, None, None)
-    fwd = _passes.forward_pass
-    bwd = _passes.backward_pass
-    apply = _eager.apply_eager
+    layer = call.settings_for(True, 0.1, 1e-5, None, 0.01, None, debug_group=None)
+    operands = call.Operands(x, w, b, rm, rv, nbt)
+    fwd = data_path.forward_pass
+    bwd = data_path.backward_pass
+    apply = eager.apply_eager
 
     def module():
         bn(x).backward(g)
@@ -290,14 +293,14 @@ def layer_cases():
         ref(x_ref).backward(g)
 
     def function():
-        apply(x, w, b, None, spec).backward(g)
+        apply(x, w, b, None, ops, layer, operands).backward(g)
 
     def passes():
-        y, mean, invstd, stats = fwd(ops, layer, x, w, b, rm, rv, nbt, None)
-        bwd(ops, layer, g, x, w, b, mean, invstd, stats, None, None, True, True, True, False)
+        y, mean, invstd, stats = fwd(ops, layer, operands)
+        bwd(ops, layer, g, call.Saved(x, w, b, mean, invstd, stats), (True, True, True, False))
 
     with torch.no_grad():
-        y0, mean0, invstd0, stats0 = fwd(ops, layer, x, w, b, rm, rv, nbt, None)
+        y0, mean0, invstd0, stats0 = fwd(ops, layer, operands)
     count0 = stats0[-1:]
     sums0 = ops.batch_norm_backward_reduce(g, x, mean0, invstd0, w)[0]
 
@@ -320,7 +323,7 @@ def layer_cases():
         launch_backward_elemt()
 
     def checks():
-        _checks.check_inputs(x, rm, rv, w, b, 0.1, 1e-5, nbt, C, None)
+        check_inputs(call.Operands(x, w, b, rm, rv, nbt), 0.1, 1e-5, True, C)
         check_activation(None, 0.01)
 
     def plan_call():
@@ -333,20 +336,20 @@ def layer_cases():
         """The floor of any Python autograd Function here: same inputs, saved tensors and gradients, no work."""
 
         @staticmethod
-        def forward(ctx, x, weight, bias, residual, spec):
+        def forward(ctx, x, weight, bias, residual, backend, settings, operands):
             ctx.save_for_backward(x, weight, bias, None, None, None)
-            ctx.spec = spec
+            ctx.backend, ctx.settings, ctx.mask = backend, settings, operands.mask
             return torch.empty_like(x)
 
         @staticmethod
         def backward(ctx, grad_out):
             x, weight, bias, *_ = ctx.saved_tensors
-            return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias), None, None
+            return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias), None, None, None, None
 
     apply_empty = super(torch.autograd.Function, EmptyFunction).apply
 
     def empty_function():
-        apply_empty(x, w, b, None, spec).backward(g)
+        apply_empty(x, w, b, None, ops, layer, operands).backward(g)
 
     bn_eval = tritonbn.SyncBatchNorm(C).eval()
     ref_eval = nn.BatchNorm2d(C).eval()

@@ -12,7 +12,7 @@
 #      tests/kernels/test_packed.py (the packed plans of odd NCHW planes: tl.gather and a segmented scan),
 #      and tests/kernels/test_dtypes.py's fp16/bf16 module (<= 45 s).
 #      Every eager launch there after a plan's first goes through tritonbn's direct launch
-#      (tritonbn/kernels/_launch.py: the cached CompiledKernel's C launcher), so this stage is also
+#      (tritonbn/backends/triton/_launch.py: the cached CompiledKernel's C launcher), so this stage is also
 #      the direct launch's first run on a real driver (tests/kernels/test_launch.py checks it over a fake one);
 #   2. the headline (<= 240 s): benchmarks/headline.py, ResNet-50 channels_last bf16 forward+backward
 #      per BatchNorm shape and summed over the model, tritonbn against torch.nn.SyncBatchNorm's sync

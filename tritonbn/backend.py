@@ -1,4 +1,4 @@
-"""Which implementation runs a call: the Triton kernels or the pure-PyTorch backend.
+"""The one selector of a backend (:mod:`tritonbn.backends`): the Triton kernels or the pure-PyTorch backend.
 
 ``TRITONBN_BACKEND`` (read at each call) chooses:
 
@@ -9,6 +9,9 @@
   error naming the versions found and needed.
 * ``triton``: always the kernels; an error explains why when they cannot run on the input.
 * ``torch``: always the PyTorch backend.
+
+:func:`ops_for` returns a :class:`Backend`: the four launchers of the chosen backend, and its local path
+where it has one. The data path, ``running_stats`` and ``diagnose`` all reach a backend through it.
 """
 
 from __future__ import annotations
@@ -18,16 +21,37 @@ from types import ModuleType
 
 import torch
 
-from tritonbn import _compat, _torch_backend
+from tritonbn import _compat
+from tritonbn.backends import torch as _torch_module
 
 BACKENDS = ("auto", "triton", "torch")
+LAUNCHERS = ("batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce", "batch_norm_backward_elemt")
 
-_kernels: ModuleType | None = None
+
+class Backend:
+    """One backend, as the data path sees it: its ``name``, its four launchers (attributes of the same names), and
+    ``local``: the module of its local path (``forward``, ``backward``, ``recorded``: see
+    :mod:`tritonbn.backends.torch.local`), or ``None`` where it has none (the Triton kernels)."""
+
+    __slots__ = ("name", "local", *LAUNCHERS)
+
+    def __init__(self, name: str, module: ModuleType) -> None:
+        self.name = name
+        for launcher in LAUNCHERS:
+            setattr(self, launcher, getattr(module, launcher))
+        self.local = getattr(module, "local", None)  # a capability a backend may offer
+
+    def __repr__(self) -> str:
+        return f"<tritonbn backend {self.name!r}>"
+
+
+_torch_backend = Backend("torch", _torch_module)
+_kernels: Backend | None = None
 _kernels_error: str | None = None
 _below_floor = False  # torch or Triton older than tritonbn's floor (_compat.TORCH_FLOOR, TRITON_FLOOR)
 
 
-def _load_kernels() -> ModuleType | None:
+def _load_kernels() -> Backend | None:
     global _kernels, _kernels_error, _below_floor
     if _kernels is None and _kernels_error is None:
         try:
@@ -35,9 +59,9 @@ def _load_kernels() -> ModuleType | None:
             if problem is not None:  # checked before the kernels' modules import what these versions lack
                 _kernels_error, _below_floor = problem, True
                 return None
-            from tritonbn import kernels
+            from tritonbn.backends import triton
 
-            _kernels = kernels
+            _kernels = Backend("triton", triton)
         except ImportError as e:  # triton missing or broken on this platform
             _kernels_error = f"triton could not be imported ({e})"
     return _kernels
@@ -53,7 +77,7 @@ def interpreted() -> bool:
         kernels = _load_kernels()
         if kernels is None:
             return False
-        from tritonbn.kernels.stats import _batch_norm_stats_kernel
+        from tritonbn.backends.triton.stats import _batch_norm_stats_kernel
 
         _interpreted = type(_batch_norm_stats_kernel).__name__ == "InterpretedFunction"
     return _interpreted
@@ -82,8 +106,8 @@ def selected() -> str:
     return name
 
 
-def ops_for(x: torch.Tensor) -> ModuleType:
-    """The module of launchers (``batch_norm_stats`` and the rest) that runs on ``x``."""
+def ops_for(x: torch.Tensor) -> Backend:
+    """The backend whose launchers (``batch_norm_stats`` and the rest) run on ``x``."""
     name = selected()
     if name == "torch":
         return _torch_backend
@@ -99,4 +123,4 @@ def ops_for(x: torch.Tensor) -> ModuleType:
 
 def name_for(x: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"``: the backend a call on ``x`` would use."""
-    return "torch" if ops_for(x) is _torch_backend else "triton"
+    return ops_for(x).name

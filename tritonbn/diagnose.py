@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn.distributed import check_signature, collective_device, debug_enabled, resolve_group
+from tritonbn._signature import check_signature, debug_enabled
+from tritonbn.distributed import collective_device, resolve_group
 from tritonbn.groups import group_ranks, group_size_of, syncbn_group
 from tritonbn.modules import SyncBatchNorm
 
@@ -126,8 +127,10 @@ class SyncReport:
         if len(self.groups) == 1:
             return f"compared one group: ranks {_ranks_text(self.groups[0])}"
         shown = " | ".join(_ranks_text(g) for g in self.groups[:8]) + (" | ..." if len(self.groups) > 8 else "")
-        return (f"compared within each of {len(self.groups)} groups of {len(self.groups[0])} ranks: {shown}; "
-                "groups are not compared with each other")  # fmt: skip
+        return (
+            f"compared within each of {len(self.groups)} groups of {len(self.groups[0])} ranks: {shown}; "
+            "groups are not compared with each other"
+        )
 
     def __str__(self) -> str:
         head = ("layer", "mean max|d|", "mean rel", "var max|d|", "var rel", "batches", "status")
@@ -155,8 +158,11 @@ class SyncReport:
         )
         if self.groups and len(self.groups) > 1 and not self.ok:
             bad = self.diverging_groups
-            verdict += "; in " + (f"group{'s' if len(bad) > 1 else ''} " + ", ".join(_ranks_text(g) for g in bad)
-                                  if bad else "no one group: num_batches_tracked differs between groups")  # fmt: skip
+            verdict += "; in " + (
+                f"group{'s' if len(bad) > 1 else ''} " + ", ".join(_ranks_text(g) for g in bad)
+                if bad
+                else "no one group: num_batches_tracked differs between groups"
+            )
         if self.groups:
             verdict += f" ({self.compared()})"
         return "\n".join([*lines, verdict])
@@ -208,8 +214,11 @@ def _layer_vector(m: _BatchNorm) -> torch.Tensor:
     parts = []
     if m.track_running_stats and m.running_mean is not None:
         nbt = m.num_batches_tracked if m.num_batches_tracked is not None else torch.zeros(())
-        parts += [m.running_mean.detach().double().flatten(), m.running_var.detach().double().flatten(),
-                  nbt.detach().double().reshape(1).to(m.running_mean.device)]  # fmt: skip
+        parts += [
+            m.running_mean.detach().double().flatten(),
+            m.running_var.detach().double().flatten(),
+            nbt.detach().double().reshape(1).to(m.running_mean.device),
+        ]
     momentum = -1.0 if m.momentum is None else float(m.momentum)
     device = m.running_mean.device if parts else torch.device("cpu")
     settings = torch.tensor([momentum, float(m.eps), float(m.affine), float(m.track_running_stats)], device=device)
@@ -267,8 +276,9 @@ def check_bn_sync(
     for (name, m), v in zip(layers, vectors, strict=True):
         n = v.numel()
         tracked = m.track_running_stats and m.running_mean is not None
-        records.append(layer_record(name, hi[offset : offset + n], lo[offset : offset + n], m.num_features, tracked,
-                                    atol, rtol))  # fmt: skip
+        records.append(
+            layer_record(name, hi[offset : offset + n], lo[offset : offset + n], m.num_features, tracked, atol, rtol)
+        )
         offset += n
     initialized = dist.is_available() and dist.is_initialized()
     if initialized and size is not None and size < dist.get_world_size():

@@ -2,7 +2,7 @@
 
 In eval, under an exporting tracer (``torch.export``, both ONNX exporters, AOTInductor, ``torch.jit.trace``),
 each tritonbn layer records torch's own ``batch_norm`` and its epilogue's ops, so any consumer loads the
-graph without tritonbn (:mod:`tritonbn._export` says how the tracers are told apart, and what a
+graph without tritonbn (:mod:`tritonbn._core.lowering` says how the tracers are told apart, and what a
 training-mode export does). ``torch.compile`` keeps tritonbn's custom ops.
 
 :func:`fold_batchnorm` folds eval-mode BatchNorms into the convolutions before them, for serving.

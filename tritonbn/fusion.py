@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from tritonbn._norm_layers import PLAIN, fused_activation, move_state
 from tritonbn.activations import activation_of_module
-from tritonbn.convert import _PLAIN, _move_state, fused_activation
 from tritonbn.modules import SyncBatchNorm, name_layers
 
 _ACT_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", torch.relu_: "relu", F.silu: "silu", F.leaky_relu: "leaky_relu"}
@@ -97,7 +97,7 @@ def _plain_batchnorm(module: nn.Module) -> bool:
     """A BatchNorm that computes batch norm and nothing after it."""
     if isinstance(module, SyncBatchNorm):
         return type(module) is SyncBatchNorm and module.activation is None
-    return type(module) in _PLAIN
+    return type(module) in PLAIN
 
 
 def _sole_batchnorm(node, modules: dict) -> bool:
@@ -131,11 +131,18 @@ def _skip_back(node, modules: dict, dropout_ok: bool) -> tuple[object, list[fx.N
 
 def _fused_module(bn: _BatchNorm, activation: str | None, negative_slope: float) -> SyncBatchNorm:
     fused = SyncBatchNorm(
-        bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-        getattr(bn, "process_group", None), device="meta", activation=activation, negative_slope=negative_slope,
+        bn.num_features,
+        bn.eps,
+        bn.momentum,
+        bn.affine,
+        bn.track_running_stats,
+        getattr(bn, "process_group", None),
+        device="meta",
+        activation=activation,
+        negative_slope=negative_slope,
         **({"bias": False} if bn.affine and bn.bias is None else {}),
-    )  # fmt: skip
-    return _move_state(bn, fused)
+    )
+    return move_state(bn, fused)
 
 
 def _replace_module(gm: fx.GraphModule, modules: dict, name: str, new: nn.Module) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .distributed import world as default_group
+from tritonbn.distributed import world as default_group
 
 # group_size -> (the default group the subgroups were made from, this rank's subgroup)
 _cache: dict[int, tuple[object, object]] = {}

@@ -1,26 +1,45 @@
-"""``tritonbn.SyncBatchNorm``: the module, about its call (the conversions are in :mod:`tritonbn.convert`)."""
+"""``tritonbn.SyncBatchNorm``, and the conversions beside it (as torch keeps its ``convert_sync_batchnorm``).
+
+:func:`convert_sync_batchnorm` replaces ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm``, sharing their
+parameters and buffers, and never changes what a layer computes. timm's ``BatchNormAct2d`` is recognized by
+structure (:mod:`tritonbn._norm_layers`; timm is not imported) and keeps its activation, fused into the kernels
+where they can compute it. :func:`revert_sync_batchnorm` gives every converted layer its original class back.
+"""
 
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn._checks import check_inputs, check_momentum, mask_from_lengths
-from tritonbn._export import script_error
-from tritonbn._passes import Layer
+from tritonbn._core.call import LayerSettings, Operands, settings_for
+from tritonbn._core.checks import check_inputs, check_momentum, mask_from_lengths
+from tritonbn._core.dispatch import run
+from tritonbn._core.lowering import script_error
+from tritonbn._norm_layers import (
+    PLAIN,
+    bias_kwargs,
+    fused_activation,
+    is_timm_norm_act,
+    is_tritonbn,
+    move_state,
+    why_not_converted,
+)
 from tritonbn.activations import check_activation
 from tritonbn.distributed import resolve_group, world
-from tritonbn.functional import run
+from tritonbn.groups import syncbn_group
 
-_LAYER = "_tritonbn_layer"  # the layer's identity in TRITONBN_DEBUG=1 checks
+NAME = "_tritonbn_name"  # the layer's identity in TRITONBN_DEBUG=1 checks (see SyncBatchNorm)
 ACCUMULATOR = "_tritonbn_accumulator"  # set by tritonbn.accumulate_stats (tritonbn/running_stats.py)
-_CALL = "_tritonbn_call"  # the module's _passes.Layer, dropped when one of _SETTINGS changes
-_SETTINGS = frozenset(
-    ("training", "momentum", "eps", "activation", "negative_slope", "process_group", "track_running_stats", _LAYER)
+_CACHED = "_tritonbn_settings"  # the module's LayerSettings, dropped when one of _SETTING_NAMES changes
+_SETTING_NAMES = frozenset(
+    ("training", "momentum", "eps", "activation", "negative_slope", "process_group", "track_running_stats", NAME)
 )
+_ORIGINAL = "_tritonbn_original_class"
+_TEMPLATE = "_tritonbn_original_module"  # a converted subclass instance, given back by revert
 _built = itertools.count()
 
 
@@ -33,7 +52,7 @@ def name_layers(root: nn.Module) -> None:
     """
     for name, module in root.named_modules():
         if name and isinstance(module, SyncBatchNorm):
-            setattr(module, _LAYER, name)
+            setattr(module, NAME, name)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -90,12 +109,11 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self.activation = activation
         self.negative_slope = negative_slope
-        setattr(self, _LAYER, f"SyncBatchNorm#{next(_built)}")
+        setattr(self, NAME, f"SyncBatchNorm#{next(_built)}")
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         """torch's BatchNorm hook; forward runs the same checks (and more) itself."""
-        check_inputs(input, None, None, None, None, self.momentum, self.eps, training=self.training,
-                     num_features=self.num_features)  # fmt: skip
+        check_inputs(Operands(input), self.momentum, self.eps, self.training, self.num_features)
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
@@ -114,13 +132,24 @@ class SyncBatchNorm(_BatchNorm):
         """
         params, buffers = self._parameters, self._buffers
         try:
-            return (params["weight"], params["bias"], buffers["running_mean"], buffers["running_var"],
-                    buffers["num_batches_tracked"])  # fmt: skip
+            return (
+                params["weight"],
+                params["bias"],
+                buffers["running_mean"],
+                buffers["running_var"],
+                buffers["num_batches_tracked"],
+            )
         except KeyError:
             return self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked
 
-    def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
-                lengths=None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        input: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        lengths=None,
+    ) -> torch.Tensor:
         if type(input) is not torch.Tensor or (residual is not None and type(residual) is not torch.Tensor):
             traced = trace_as_leaf(self, input, residual, mask=mask, lengths=lengths)  # a Proxy: under torch.fx
             if traced is not None:
@@ -129,47 +158,57 @@ class SyncBatchNorm(_BatchNorm):
             mask = mask_from_lengths(input, lengths, mask)
         return self._normalize(input, residual) if mask is None else self._normalize(input, residual, mask)
 
-    def __prepare_scriptable__(self):  # torch.jit.script's hook: a clear error (tritonbn/_export.py)
+    def __prepare_scriptable__(self):  # torch.jit.script's hook: a clear error (tritonbn/_core/lowering.py)
         raise script_error(self)
 
-    def _normalize(self, input: torch.Tensor, residual: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def _normalize(
+        self, input: torch.Tensor, residual: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The batch norm with its fused epilogue (what subclasses and recalibration build on)."""
-        layer = self.__dict__.get(_CALL)
-        if layer is None or layer.world is not world():
-            layer = self._layer()
+        settings = self.__dict__.get(_CACHED)
+        if settings is None or settings.world is not world():
+            settings = self._settings()
         weight, bias, running_mean, running_var, num_batches_tracked = self._state()
-        if layer.training:
+        if settings.training:
             if not self.track_running_stats:
                 running_mean = running_var = num_batches_tracked = None
         elif running_mean is None and running_var is None:
             # Eval without running statistics normalizes with this rank's own batch, as torch does.
-            layer = self._layer(batch_stats=True)
+            settings = self._settings(batch_stats=True)
             num_batches_tracked = None
         else:
             num_batches_tracked = None
         # Inside tritonbn.accumulate_stats: where this call's global sums go instead of the running stats.
         accumulator = self._tritonbn_accumulator
         sink = accumulator(input) if accumulator is not None and self.training else None
-        return run(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
-                   self.num_features, sink, mask)  # fmt: skip
+        operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink)
+        return run(settings, operands, self.num_features)
 
-    def _layer(self, batch_stats: bool = False) -> Layer:
-        """This layer's :class:`~tritonbn._passes.Layer`, kept until a setting in ``_SETTINGS`` changes.
+    def _settings(self, batch_stats: bool = False) -> LayerSettings:
+        """This layer's settings, kept until one of ``_SETTING_NAMES`` changes.
 
-        ``batch_stats``: the layer of an eval call that normalizes with the batch's statistics
+        ``batch_stats``: the settings of an eval call that normalizes with the batch's statistics
         (no running statistics), made for that call.
         """
         group = resolve_group(self.process_group)
-        layer = Layer(self.training or batch_stats, self.momentum, self.eps, self.activation, self.negative_slope,
-                      group if self.training else None, group, getattr(self, _LAYER, ""), world())  # fmt: skip
+        settings = settings_for(
+            self.training,
+            self.momentum,
+            self.eps,
+            self.activation,
+            self.negative_slope,
+            group,
+            debug_group=group,
+            name=getattr(self, NAME, ""),
+            batch_stats=batch_stats,
+        )
         if not batch_stats:
-            self.__dict__[_CALL] = layer
-        return layer
+            self.__dict__[_CACHED] = settings
+        return settings
 
     def __setattr__(self, name: str, value) -> None:
-        if name in _SETTINGS:
-            self.__dict__.pop(_CALL, None)
+        if name in _SETTING_NAMES:
+            self.__dict__.pop(_CACHED, None)
         super().__setattr__(name, value)
 
     @classmethod
@@ -177,8 +216,6 @@ class SyncBatchNorm(_BatchNorm):
         cls, module: nn.Module, process_group=None, *, group_size: int | None = None, strict: bool = False
     ) -> nn.Module:
         """Same as :func:`tritonbn.convert_sync_batchnorm`."""
-        from tritonbn.convert import convert_sync_batchnorm
-
         return convert_sync_batchnorm(module, process_group, group_size=group_size, strict=strict)
 
 
@@ -221,3 +258,125 @@ def trace_as_leaf(module: nn.Module, *args, **kwargs) -> fx.Proxy | None:
     tracer = proxy.tracer
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return tracer.create_proxy("call_module", tracer.path_of_module(module), args, kwargs)
+
+
+# --- conversion of torch's and timm's batch norms, and back ----------------------------------------------
+
+
+def _rebuilt(cls: type[_BatchNorm], module: _BatchNorm, **kwargs) -> _BatchNorm:
+    """A ``cls`` with ``module``'s settings, parameters, buffers and mode."""
+    args = (module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+    return move_state(module, cls(*args, device="meta", **bias_kwargs(module), **kwargs))
+
+
+def _synced(module: _BatchNorm, process_group, cls: type[SyncBatchNorm] = SyncBatchNorm, **kwargs) -> SyncBatchNorm:
+    out = _rebuilt(cls, module, process_group=process_group, **kwargs)
+    setattr(out, _ORIGINAL, type(module))
+    if type(module) not in PLAIN:  # a subclass: revert gives this very module back, with the current state
+        object.__setattr__(out, _TEMPLATE, module)
+    return out
+
+
+def _converted(module: _BatchNorm, process_group) -> SyncBatchNorm:
+    """The tritonbn module computing what ``module`` computes (see :func:`_why_not_converted`)."""
+    if not is_timm_norm_act(module):
+        return _synced(module, process_group)
+    fused = fused_activation(module)
+    if fused is not None:
+        return _synced(module, process_group, activation=fused[0], negative_slope=fused[1])
+    return _synced(module, process_group, SyncBatchNormAct, drop=module.drop, act=module.act)
+
+
+def unconverted_batchnorms(module: nn.Module) -> list[str]:
+    """``"name (Class: reason)"`` for every BatchNorm that :func:`convert_sync_batchnorm` leaves alone."""
+    return [
+        f"{name or '<root>'} ({type(m).__name__}: {why})"
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) and not is_tritonbn(m) and (why := why_not_converted(m))
+    ]
+
+
+def _convert(module: nn.Module, process_group) -> nn.Module:
+    out = module
+    if isinstance(module, _BatchNorm) and not is_tritonbn(module) and why_not_converted(module) is None:
+        out = _converted(module, process_group)
+    for name, child in module.named_children():
+        out.add_module(name, _convert(child, process_group))
+    return out
+
+
+def convert_sync_batchnorm(
+    module: nn.Module, process_group=None, *, group_size: int | None = None, strict: bool = False
+) -> nn.Module:
+    """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by :class:`SyncBatchNorm`.
+
+    The new modules synchronize over ``process_group`` (default: the world), or, with
+    ``group_size``, within groups of ``group_size`` consecutive ranks (:func:`tritonbn.syncbn_group`,
+    a collective: every rank must convert with the same ``group_size``); ``group_size=1`` is local
+    BatchNorm with tritonbn's kernels. Passing both is an error.
+
+    The new modules share the original parameters and buffers (so device, dtype,
+    ``requires_grad`` and optimizer references are kept) and the training mode, and remember the
+    original class for :func:`revert_sync_batchnorm`. Other norms are left alone. Returns the
+    converted module (``module`` itself, changed in place, unless ``module`` is a batch norm).
+
+    Conversion never changes what a layer computes. A subclass that keeps torch's forward and has
+    no children converts like its base class. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct``
+    (recognised by structure) become a :class:`SyncBatchNorm` with the fused activation when their
+    ``act`` is ReLU, LeakyReLU, SiLU or Identity and their ``drop`` is Identity, and a
+    :class:`SyncBatchNormAct` (the same ``drop`` and ``act`` children, applied after the kernels)
+    otherwise. Any other BatchNorm (its own forward, child modules, another base class) is left
+    alone, with one warning naming those layers, or a ``ValueError`` before anything changes when
+    ``strict=True``.
+    """
+    if group_size is not None:
+        if process_group is not None:
+            raise ValueError(
+                "convert_sync_batchnorm: pass process_group or group_size, not both "
+                f"(got process_group={process_group!r} and group_size={group_size!r})"
+            )
+        process_group = syncbn_group(group_size)
+    left = unconverted_batchnorms(module)
+    if left:
+        message = (
+            f"convert_sync_batchnorm left {len(left)} BatchNorm layer(s) unconverted, since tritonbn cannot "
+            f"compute what they compute; they will not synchronize across ranks: {', '.join(left)}"
+        )
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
+    out = _convert(module, process_group)
+    name_layers(out)
+    return out
+
+
+def _reverted(module: SyncBatchNorm, default: type[_BatchNorm]) -> _BatchNorm:
+    template = module.__dict__.get(_TEMPLATE)
+    if template is not None:  # a converted subclass: the very original module, with the current state
+        template.eps, template.momentum = module.eps, module.momentum
+        if isinstance(template, nn.SyncBatchNorm):
+            template.process_group = module.process_group
+        return move_state(module, template)
+    if module.activation is not None:
+        raise ValueError(
+            f"cannot revert a SyncBatchNorm with a fused activation ({module.activation!r}) to a plain BatchNorm; "
+            "rebuild the model without fusion first"
+        )
+    cls = getattr(module, _ORIGINAL, default)
+    kwargs = {"process_group": module.process_group} if issubclass(cls, nn.SyncBatchNorm) else {}
+    return _rebuilt(cls, module, **kwargs)
+
+
+def revert_sync_batchnorm(module: nn.Module, default: type[_BatchNorm] = nn.BatchNorm2d) -> nn.Module:
+    """Replace every :class:`SyncBatchNorm` in ``module`` by the class it was converted from.
+
+    A module built directly as ``tritonbn.SyncBatchNorm`` (no original class recorded) becomes
+    ``default``. Parameters, buffers and training mode are shared, as in the conversion. A converted
+    subclass (such as timm's ``BatchNormAct2d``, with its ``drop`` and ``act``) becomes its original
+    module again. A module with a fused activation that was not converted from such a layer has no
+    plain equivalent: reverting it raises a ``ValueError``.
+    """
+    out = _reverted(module, default) if isinstance(module, SyncBatchNorm) else module
+    for name, child in module.named_children():
+        out.add_module(name, revert_sync_batchnorm(child, default))
+    return out

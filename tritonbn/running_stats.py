@@ -41,12 +41,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from tritonbn._checks import ACCUMULATE_EAGER_ONLY
-from tritonbn._passes import in_backward
+from tritonbn._core.call import in_backward
+from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY
+from tritonbn._norm_layers import PLAIN
+from tritonbn._signature import check_signature, debug_enabled
 from tritonbn.backend import ops_for
-from tritonbn.convert import _PLAIN
 from tritonbn.diagnose import batchnorm_modules, unwrap
-from tritonbn.distributed import check_signature, collective_device, debug_enabled, resolve_group
+from tritonbn.distributed import collective_device, resolve_group
 from tritonbn.functional import batch_norm
 from tritonbn.modules import ACCUMULATOR, SyncBatchNorm
 
@@ -290,8 +291,21 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
         positions, for masked BatchNorm's ``mask``)."""
         stats = ops_for(x).batch_norm_stats(x, mask=mask)
         sums[id(m)] = stats if id(m) not in sums else sums[id(m)] + stats
-        return batch_norm(x, None, None, m.weight, m.bias, True, m.momentum, m.eps, group, residual=residual,
-                          activation=activation, negative_slope=negative_slope, mask=mask)  # fmt: skip
+        return batch_norm(
+            x,
+            None,
+            None,
+            m.weight,
+            m.bias,
+            True,
+            m.momentum,
+            m.eps,
+            group,
+            residual=residual,
+            activation=activation,
+            negative_slope=negative_slope,
+            mask=mask,
+        )
 
     # Every layer runs its own forward; only the batch norm inside it is replaced by `normalize`:
     # torch's own classes compute nothing else, tritonbn's call `_normalize` (fused epilogue, then
@@ -302,15 +316,18 @@ def recalibrate_batchnorm(model: nn.Module, batches, process_group=None, forward
             root.train()
             for _, m in layers:
                 if isinstance(m, SyncBatchNorm):
-                    m._normalize = functools.partial(normalize, m, activation=m.activation,
-                                                     negative_slope=m.negative_slope)  # fmt: skip
+                    m._normalize = functools.partial(
+                        normalize, m, activation=m.activation, negative_slope=m.negative_slope
+                    )
                     restore.append((m, "_normalize"))
-                elif type(m) in _PLAIN:
+                elif type(m) in PLAIN:
                     m.forward = functools.partial(normalize, m)
                     restore.append((m, "forward"))
                 else:
-                    restore += [(m.register_forward_pre_hook(calls.enter), None),
-                                (m.register_forward_hook(calls.leave, always_call=True), None)]  # fmt: skip
+                    restore += [
+                        (m.register_forward_pre_hook(calls.enter), None),
+                        (m.register_forward_hook(calls.leave, always_call=True), None),
+                    ]
             for batch in batches:
                 forward(model, batch)
                 count += 1

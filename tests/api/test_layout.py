@@ -92,13 +92,97 @@ def _name(path: pathlib.Path) -> str:
     return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
 
 
-def test_kernels_know_nothing_of_autograd_or_collectives():
-    allowed = ("tritonbn.kernels", "tritonbn._compat", "tritonbn._numerics", "tritonbn.activations")
-    for path in (PACKAGE / "kernels").glob("*.py"):
+# The floors of the package, lowest first: a module imports only from its own floor or below (docs/design.md).
+FLOORS = [
+    ("tritonbn._compat", "tritonbn._numerics", "tritonbn.activations"),
+    ("tritonbn.backends",),
+    ("tritonbn.kernels", "tritonbn.backend", "tritonbn.distributed", "tritonbn.groups", "tritonbn._signature",
+     "tritonbn._norm_layers"),
+    ("tritonbn._core",),
+    ("tritonbn.functional", "tritonbn.modules", "tritonbn.convert"),
+    ("tritonbn.fusion", "tritonbn.export", "tritonbn.diagnose", "tritonbn.running_stats", "tritonbn"),
+    ("tritonbn.cli", "tritonbn.integrations", "tritonbn.lightning", "tritonbn.mmengine", "tritonbn.__main__"),
+]  # fmt: skip
+
+
+def _floor(module: str) -> int:
+    module = module.removesuffix(".__init__")
+    found = [i for i, floor in enumerate(FLOORS) for prefix in floor
+             if module == prefix or (prefix != "tritonbn" and module.startswith(prefix + "."))]  # fmt: skip
+    assert found, f"{module} is on no floor of FLOORS: place it there (and in docs/design.md's map)"
+    return max(found)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports, anywhere in the file: ``from a import b``
+    is an arrow to ``a.b`` where that is a module of its own, else to ``a``."""
+    modules = {_name(p).removesuffix(".__init__") for p in MODULES}
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for path in MODULES:
+        module = _name(path).removesuffix(".__init__")
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(owner(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *[base][:1]])
+                targets.update(owner(f"{base.rstrip('.')}.{a.name}") for a in node.names)
+        graph[module] = {t for t in targets if t.startswith("tritonbn")} - {module}
+    return graph
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    assert "tritonbn.backends.torch.masked" in graph and graph["tritonbn.backends.torch"], "the graph reads nothing"
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module, path):
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*path, module, target]))
+            if target not in state:
+                visit(target, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+
+
+def test_no_import_runs_back_up_a_floor():
+    for module, targets in _graph().items():
+        for target in targets:
+            assert _floor(target) <= _floor(module), f"{module} (floor {_floor(module)}) imports {target} (floor " \
+                                                     f"{_floor(target)}): an arrow back up"  # fmt: skip
+
+
+def test_backends_know_nothing_above_them():
+    """Backends and the kernels import nothing of autograd, modules, collectives or the CLI, and neither backend
+    names the other; the PyTorch backend is a folder, a peer of the Triton backend's."""
+    assert (PACKAGE / "backends" / "torch" / "__init__.py").is_file() and (PACKAGE / "backends" / "triton").is_dir()
+    assert not list(PACKAGE.glob("_torch*.py")) and not list(PACKAGE.glob("_masked*.py"))
+    allowed = ("tritonbn._compat", "tritonbn._numerics", "tritonbn.activations")
+    paths = [*(PACKAGE / "backends").rglob("*.py"), *(PACKAGE / "kernels").glob("*.py")]
+    for path in paths:
+        own = _name(path).split(".")[:3]  # tritonbn.backends.<name>, or tritonbn.kernels
         for name in _imports(path):
-            assert not name.startswith(("torch.distributed", "torch.autograd")), (path.name, name)
-            if name.startswith("tritonbn"):
-                assert name.startswith(allowed), (path.name, name)
+            assert not name.startswith(("torch.distributed", "torch.autograd")), (_name(path), name)
+            if not name.startswith("tritonbn"):
+                continue
+            mine = name.startswith(".".join(own)) or (
+                own[1] == "kernels" and name.startswith("tritonbn.backends.triton")
+            )
+            assert mine or name.startswith(allowed) or name == "tritonbn.backends", (_name(path), name)
 
 
 def test_data_path_imports_nothing_from_cli_or_integrations():

@@ -181,7 +181,7 @@ def test_functional_matches_module(backend_name):
 
 def test_cached_layer_follows_every_setting():
     """The module keeps its call record (``_passes.Layer``) until a setting changes. Every attribute the record
-    is built from, found by recording what ``_layer`` reads, must be one whose change drops the record, and
+    is built from, found by recording what ``_settings`` reads, must be one whose change drops the record, and
     changing each one does; so a new setting cannot leave a stale record behind."""
     from tritonbn import modules
 
@@ -194,14 +194,16 @@ def test_cached_layer_follows_every_setting():
 
     m = Recording(3)
     read.clear()
-    m._layer()
+    m._settings()
     settings = {name for name in read if not name.startswith("__") and not callable(getattr(Recording, name, None))}
     assert {"training", "momentum", "eps", "activation", "process_group"} <= settings, settings
-    assert settings <= modules._SETTINGS, f"read by _layer but not in _SETTINGS: {settings - modules._SETTINGS}"
+    assert settings <= modules._SETTING_NAMES, (
+        f"read by _settings but not in _SETTING_NAMES: {settings - modules._SETTING_NAMES}"
+    )
     changes = {"training": False, "momentum": 0.5, "eps": 1e-3, "activation": "relu", "negative_slope": 0.2,
-               "process_group": None, "track_running_stats": False, modules._LAYER: "renamed"}  # fmt: skip
-    assert set(changes) == modules._SETTINGS
+               "process_group": None, "track_running_stats": False, modules.NAME: "renamed"}  # fmt: skip
+    assert set(changes) == modules._SETTING_NAMES
     for name, value in changes.items():
-        m._layer()
+        m._settings()
         setattr(m, name, value)
-        assert modules._CALL not in m.__dict__, f"setting {name} kept the old record"
+        assert modules._CACHED not in m.__dict__, f"setting {name} kept the old record"

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonbn
-from tritonbn import functional
+from tritonbn._core import dispatch
 
 
 class Net(nn.Module):
@@ -63,7 +63,7 @@ def _assert_identical(got, want):
 
 
 def _custom_op_path(monkeypatch):
-    monkeypatch.setattr(functional, "is_eager", lambda x: False)
+    monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "torch"], indirect=True)
@@ -73,7 +73,7 @@ def test_eager_skips_the_custom_ops(backend_name, monkeypatch):
     def refuse(*args):
         raise AssertionError("an eager call went through the custom ops")
 
-    monkeypatch.setattr(functional.SyncBatchNormFunction, "apply", refuse)
+    monkeypatch.setattr(dispatch.SyncBatchNormFunction, "apply", refuse)
     x, r, w = _inputs()
     _run(Net(), x, r, w)
     monkeypatch.undo()

@@ -262,13 +262,13 @@ def test_debug_mode_raises_on_every_rank(tmp_path, monkeypatch):
 def test_layer_identity():
     """Debug mode's layer identity: the qualified name from conversion, else the construction index."""
     model = nn.Sequential(nn.Conv1d(3, 4, 1), nn.BatchNorm1d(4), nn.Sequential(tritonbn.SyncBatchNorm(4)))
-    built = model[2][0]._tritonbn_layer
+    built = model[2][0]._tritonbn_name
     assert re.fullmatch(r"SyncBatchNorm#\d+", built)
-    assert tritonbn.SyncBatchNorm(4)._tritonbn_layer != built
+    assert tritonbn.SyncBatchNorm(4)._tritonbn_name != built
     tritonbn.convert_sync_batchnorm(model)
-    assert (model[1]._tritonbn_layer, model[2][0]._tritonbn_layer) == ("1", "2.0")
+    assert (model[1]._tritonbn_name, model[2][0]._tritonbn_name) == ("1", "2.0")
     outer = tritonbn.convert_sync_batchnorm(nn.ModuleDict({"net": model}))
-    assert outer["net"][1]._tritonbn_layer == "net.1", "the conversion of an enclosing model renames"
+    assert outer["net"][1]._tritonbn_name == "net.1", "the conversion of an enclosing model renames"
 
 
 def _rank_debug_ok(rank, world, out_dir):

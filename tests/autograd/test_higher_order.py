@@ -17,7 +17,7 @@ from dist import backend_env, load_ranks, save_rank, spawn
 
 import tritonbn
 from tritonbn import functional
-from tritonbn._passes import Layer
+from tritonbn._core import dispatch
 
 EPS = 1e-5
 
@@ -113,7 +113,7 @@ def _penalty(fn, x, params, dy):
 def test_penalty_matches_torch_and_first_order(backend_name, custom_ops, activation, monkeypatch):
     """The penalty's gradients equal torch's; the differentiable path's first-order gradients equal the kernels'."""
     if custom_ops:  # the path torch.compile and non-eager tensors take
-        monkeypatch.setattr(functional, "is_eager", lambda x: False)
+        monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
     g = torch.Generator().manual_seed(3)
     shape = (4, 3, 2, 3)
     x0 = torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1
@@ -125,11 +125,15 @@ def test_penalty_matches_torch_and_first_order(backend_name, custom_ops, activat
         out = [t.clone().requires_grad_() for t in (x0, w0, b0)]
         return out + ([r0.clone().requires_grad_()] if r0 is not None else [])
 
-    layer = Layer(True, 0.1, EPS, activation)
+    def run(xi, w, b, rm, rv, nbt, residual):
+        return functional.batch_norm(
+            xi, rm, rv, w, b, True, 0.1, EPS, None, nbt, residual=residual, activation=activation
+        )
+
     rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
     nbt = torch.zeros((), dtype=torch.long)
     x, w, b, *r = leaves()
-    got = _penalty(lambda xi: functional.run(layer, xi, w, b, rm, rv, nbt, r[0] if r else None), x, [w, b, *r], dy)
+    got = _penalty(lambda xi: run(xi, w, b, rm, rv, nbt, r[0] if r else None), x, [w, b, *r], dy)
     assert nbt.item() == 1  # once per forward, whatever the backward did
     xo, wo, bo, *ro = leaves()
     rmo, rvo = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
@@ -143,8 +147,8 @@ def test_penalty_matches_torch_and_first_order(backend_name, custom_ops, activat
     # First order: the create_graph path against the kernels' own backward (create_graph=False).
     x1, w1, b1, *r1 = leaves()
     x2, w2, b2, *r2 = leaves()
-    y1 = functional.run(layer, x1, w1, b1, None, None, None, r1[0] if r1 else None)
-    y2 = functional.run(layer, x2, w2, b2, None, None, None, r2[0] if r2 else None)
+    y1 = run(x1, w1, b1, None, None, None, r1[0] if r1 else None)
+    y2 = run(x2, w2, b2, None, None, None, r2[0] if r2 else None)
     first = torch.autograd.grad((y1 * dy).sum(), [x1, w1, b1, *r1], create_graph=True)
     kernels = torch.autograd.grad((y2 * dy).sum(), [x2, w2, b2, *r2])
     assert first[0].grad_fn is not None and all(t.grad_fn is None for t in kernels)
@@ -157,7 +161,7 @@ def test_penalty_matches_torch_and_first_order(backend_name, custom_ops, activat
 @pytest.mark.parametrize("params_grad", [True, False], ids=["params-grad", "no-grad"])
 def test_forward_ad_matches_torch(backend_name, training, params_grad, custom_ops, monkeypatch):
     if custom_ops:
-        monkeypatch.setattr(functional, "is_eager", lambda x: False)
+        monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
     g = torch.Generator().manual_seed(4)
     shape = (3, 2, 5)
     x = torch.randn(shape, generator=g, dtype=torch.float64) * 3 - 1

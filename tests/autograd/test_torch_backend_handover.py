@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from oracle import make_layout
 
 import tritonbn
-from tritonbn import _torch_backend as tb
+from tritonbn.backends.torch import plain as tb
 
 
 def _reference(x, w, b, mean, invstd):

@@ -1,4 +1,4 @@
-"""The PyTorch backend's local path (tritonbn/_torch_local.py): a layer that synchronizes with nobody.
+"""The PyTorch backend's local path (tritonbn/backends/torch/local.py): a layer that synchronizes with nobody.
 
 It is taken exactly where it applies, and keeps the backend's promises against the float64 oracle:
 float32 precision at ``|mean| / std = 1e3`` in every layout, 16-bit inputs with 16-bit or float32
@@ -12,7 +12,7 @@ import torch
 from oracle import PARAM_GRAD_TOL, TOLERANCES, Oracle, make_layout
 
 import tritonbn
-from tritonbn import _torch_backend
+from tritonbn.backends.torch import local
 
 FORMS = ["autograd", "function"]
 
@@ -20,14 +20,10 @@ FORMS = ["autograd", "function"]
 @pytest.fixture
 def calls(monkeypatch, form):
     """Count the local path's calls, and the times it declined. ``form``: an eager call records torch's own ops
-    (``local_autograd``), or, with that taken away, takes the autograd.Function over ``local_forward`` and
-    ``local_backward``, as the custom ops (torch.compile) and calls without autograd do."""
+    (``local.recorded``), or, with that taken away, takes the autograd.Function over ``local.forward`` and
+    ``local.backward``, as the custom ops (torch.compile) and calls without autograd do."""
     seen = {"autograd": 0, "forward": 0, "declined": 0, "backward": 0}
-    forward, backward, recorded = (
-        _torch_backend.local_forward,
-        _torch_backend.local_backward,
-        _torch_backend.local_autograd,
-    )
+    forward, backward, recorded = local.forward, local.backward, local.recorded
 
     def counting(key, function):
         def count(*args):
@@ -37,11 +33,9 @@ def calls(monkeypatch, form):
 
         return count
 
-    monkeypatch.setattr(_torch_backend, "local_forward", counting("forward", forward))
-    monkeypatch.setattr(_torch_backend, "local_backward", counting("backward", backward))
-    monkeypatch.setattr(
-        _torch_backend, "local_autograd", counting("autograd", recorded) if form == "autograd" else None
-    )
+    monkeypatch.setattr(local, "forward", counting("forward", forward))
+    monkeypatch.setattr(local, "backward", counting("backward", backward))
+    monkeypatch.setattr(local, "recorded", counting("autograd", recorded) if form == "autograd" else lambda *a: None)
     monkeypatch.setenv("TRITONBN_BACKEND", "torch")
     return seen
 
@@ -80,7 +74,7 @@ def test_taken_where_it_applies(calls, form):
     with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function, with its jvp
         bn(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
     expect(forward=1)
-    with torch.no_grad():  # nothing recorded: local_forward
+    with torch.no_grad():  # nothing recorded: local.forward
         bn(x)
     expect(forward=1)
 

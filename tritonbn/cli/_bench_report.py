@@ -35,8 +35,9 @@ def table(result: dict) -> str:
             else:
                 totals[(mode, n)] += r["calls"] * entry[n]
         speed = "-" if entry.get(ours) is None or entry.get(ref) is None else f"{entry[ref] / entry[ours]:.2f}x"
-        lines.append([label, dt, layout, str(r["layers"]), str(r["calls"]), mode,
-                      *[_ms(entry.get(n)) for n in names], speed])  # fmt: skip
+        lines.append(
+            [label, dt, layout, str(r["layers"]), str(r["calls"]), mode, *[_ms(entry.get(n)) for n in names], speed]
+        )
     for mode in ("train", "eval"):
         tot = {n: totals[(mode, n)] if complete[(mode, n)] else None for n in names}
         speed = "-" if tot[ours] is None or tot[ref] is None else f"{tot[ref] / tot[ours]:.2f}x"
@@ -78,16 +79,21 @@ def plot(result: dict, path: str) -> str | None:
     width = 0.8 / len(names)
     for ax, mode in zip(axes, ("train", "eval"), strict=True):
         for i, n in enumerate(names):
-            ms = {f"{r['shape']}\n{r['layout']}": r["calls"] * r["ms"] for r in rows
-                  if r["mode"] == mode and r["provider"] == n and "ms" in r}  # fmt: skip
+            ms = {
+                f"{r['shape']}\n{r['layout']}": r["calls"] * r["ms"]
+                for r in rows
+                if r["mode"] == mode and r["provider"] == n and "ms" in r
+            }
             xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
             ax.bar(xs, [ms.get(label, 0.0) for label in labels], width, label=n)
         ax.set_ylabel(f"{mode}: ms per step")
         ax.set_title("training forward+backward" if mode == "train" else "eval forward", fontsize=9)
         ax.legend(fontsize=8)
     axes[1].set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
-    title = (f"{meta['model']}, input {meta['input']} {meta['dtype']}, {meta['world']} rank(s), {meta['device']}: "
-             "BatchNorm time per step (calls x median)")  # fmt: skip
+    title = (
+        f"{meta['model']}, input {meta['input']} {meta['dtype']}, {meta['world']} rank(s), {meta['device']}: "
+        "BatchNorm time per step (calls x median)"
+    )
     if meta["device"] == "cpu":
         title += "\nCPU run: these times say nothing about a GPU"
     fig.suptitle(title, fontsize=9)

@@ -32,8 +32,16 @@ def process_group(device: torch.device, timeout: datetime.timedelta = TIMEOUT, *
         dist.destroy_process_group()
 
 
-def spawn(world: int, fn, *args, cuda: bool = False, timeout: datetime.timedelta = TIMEOUT, threads: int = 1,
-          setup=None, start_method: str = "spawn") -> None:  # fmt: skip
+def spawn(
+    world: int,
+    fn,
+    *args,
+    cuda: bool = False,
+    timeout: datetime.timedelta = TIMEOUT,
+    threads: int = 1,
+    setup=None,
+    start_method: str = "spawn",
+) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` new processes, each a rank of one process group.
 
     Rank ``r`` runs on ``cuda:r`` when ``cuda``, else on the CPU over gloo, with ``threads`` torch
@@ -42,8 +50,13 @@ def spawn(world: int, fn, *args, cuda: bool = False, timeout: datetime.timedelta
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.start_processes(_entry, args=(world, init_file, fn, args, cuda, timeout, threads, setup), nprocs=world,
-                           join=True, start_method=start_method)  # fmt: skip
+        mp.start_processes(
+            _entry,
+            args=(world, init_file, fn, args, cuda, timeout, threads, setup),
+            nprocs=world,
+            join=True,
+            start_method=start_method,
+        )
 
 
 def _entry(rank, world, init_file, fn, args, cuda, timeout, threads, setup):

@@ -286,10 +286,12 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
     del model, x
     names, reference, missing = providers(device)
     layers = sum(len(s.layers) for s in shapes)
-    say(f"tritonbn bench: {args.model}, input {'x'.join(map(str, shape))} {args.dtype}"
+    say(
+        f"tritonbn bench: {args.model}, input {'x'.join(map(str, shape))} {args.dtype}"
         f"{' channels_last' if fmt != torch.contiguous_format else ''}: {layers} BatchNorm layers, "
         f"{sum(s.calls for s in shapes)} calls per step, {len(shapes)} distinct inputs; "
-        f"{world} rank(s) on {device.type}, providers {', '.join(names)}")  # fmt: skip
+        f"{world} rank(s) on {device.type}, providers {', '.join(names)}"
+    )
     if device.type != "cuda":
         say(CPU_NOTE)
     for name, why in missing.items():
@@ -304,9 +306,16 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
         for s in shapes:
             for mode in ("train", "eval"):
                 for provider in names:
-                    row = {"shape": s.label, "dtype": str(s.dtype).replace("torch.", ""), "layout": s.layout,
-                           "stride": ",".join(map(str, s.stride)), "layers": len(s.layers), "calls": s.calls,
-                           "mode": mode, "provider": provider}  # fmt: skip
+                    row = {
+                        "shape": s.label,
+                        "dtype": str(s.dtype).replace("torch.", ""),
+                        "layout": s.layout,
+                        "stride": ",".join(map(str, s.stride)),
+                        "layers": len(s.layers),
+                        "calls": s.calls,
+                        "mode": mode,
+                        "provider": provider,
+                    }
                     # Every rank decides alike (rank 0's clock), so the collectives still pair up.
                     late = torch.tensor([float(deadline is not None and time.time() > deadline)])
                     if world > 1:
@@ -378,8 +387,9 @@ def main(args) -> int:
             report(result, args.out)
     else:
         threads = max(1, (os.cpu_count() or 1) // args.world)
-        spawn(args.world, _run_rank, args, cuda=_device_for(0, args.cpu).type == "cuda", timeout=TIMEOUT,
-              threads=threads)  # fmt: skip
+        spawn(
+            args.world, _run_rank, args, cuda=_device_for(0, args.cpu).type == "cuda", timeout=TIMEOUT, threads=threads
+        )
         result = {"rows": []}
     failed = [r for r in (result or {"rows": []})["rows"] if "error" in r and not r["error"].startswith("skipped")]
     return 1 if failed else 0

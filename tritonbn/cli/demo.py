@@ -170,8 +170,11 @@ def draw(traces: dict[str, list[tuple[float, float]]], path: str, world: int, de
     axes[0].set_ylabel("largest relative difference", fontsize=8)
     axes[1].set_ylabel("largest difference", fontsize=8)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"tritonbn demo: {world} {device.type.upper()} ranks, each with its own data "
-                 "(tritonbn: 0, identical on every rank)", fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"tritonbn demo: {world} {device.type.upper()} ranks, each with its own data "
+        "(tritonbn: 0, identical on every rank)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)
@@ -181,8 +184,10 @@ def draw(traces: dict[str, list[tuple[float, float]]], path: str, world: int, de
 def _worker(rank: int, world: int, device: torch.device, steps: int, plot: str | None = None) -> None:
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     probe = torch.empty(0, device=device)
-    say(f"tritonbn demo: {world} ranks over {dist.get_backend()} on {device.type}, tritonbn backend "
-        f"'{name_for(probe)}', {steps} SGD steps, {PER_RANK} samples per rank, each rank's data shifted")  # fmt: skip
+    say(
+        f"tritonbn demo: {world} ranks over {dist.get_backend()} on {device.type}, tritonbn backend "
+        f"'{name_for(probe)}', {steps} SGD steps, {PER_RANK} samples per rank, each rank's data shifted"
+    )
     t0 = time.perf_counter()
     reference = None
     if rank == 0:

@@ -102,16 +102,25 @@ def _layer_row(state: dict, prefix: str, path: str, shape: torch.Size, first: st
             f"{path}: {prefix}num_batches_tracked must hold one integer, got {nbt.dtype} of shape {tuple(nbt.shape)}"
         )
     try:
-        return torch.cat([mean.double().flatten(), var.double().flatten(), nbt.double().reshape(1),
-                          torch.zeros(4, dtype=torch.float64)])  # fmt: skip
+        return torch.cat(
+            [
+                mean.double().flatten(),
+                var.double().flatten(),
+                nbt.double().reshape(1),
+                torch.zeros(4, dtype=torch.float64),
+            ]
+        )
     except (RuntimeError, TypeError, ValueError) as e:  # a tensor torch cannot convert, say
         raise DoctorError(f"{path}: {prefix}running_mean/var cannot be read as numbers: {_first_line(e)}") from e
 
 
 def batchnorm_prefixes(state: dict) -> list[str]:
     """Prefixes ``p`` with both ``p + 'running_mean'`` and ``p + 'running_var'`` in ``state``."""
-    return [k[: -len("running_mean")] for k in state if k.endswith("running_mean") and
-            k[: -len("running_mean")] + "running_var" in state]  # fmt: skip
+    return [
+        k[: -len("running_mean")]
+        for k in state
+        if k.endswith("running_mean") and k[: -len("running_mean")] + "running_var" in state
+    ]
 
 
 def compare(states: list[dict], paths: list[str], atol: float = ATOL, rtol: float = RTOL) -> SyncReport:

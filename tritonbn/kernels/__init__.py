@@ -1,4 +1,4 @@
-"""Triton kernels for batch normalization, and their launchers.
+"""Triton kernels for batch normalization, and their launchers, for your own layers.
 
 Each launcher takes and returns plain tensors, and accepts inputs ``(N, C, *S)`` of rank 2 to 5
 with any strides (contiguous, channels_last, channels_last_3d, permuted) without copying them.
@@ -20,22 +20,37 @@ launch: the program that draws the last ticket merges every program's partials i
 ``"relu"``, ``"leaky_relu"``, ``"silu"``); the backward launchers then take the same epilogue
 arguments and compute ``dz = dy * act'(z)`` on the fly, and ``batch_norm_backward_elemt`` writes
 the residual's gradient into ``out_grad_residual``.
+
+The kernels live in :mod:`tritonbn.backends.triton`, one of the two backends behind
+:func:`tritonbn.backend.ops_for`; this is their public import path, with each pass's module
+(``tritonbn.kernels.stats``, ``.elemt``, ``.backward_reduce``, ``.backward_elemt``) and the helper
+modules of earlier releases kept importable under it.
 """
 
-from tritonbn.kernels._plan import Plan, plan
-from tritonbn.kernels.backward_elemt import batch_norm_backward_elemt
-from tritonbn.kernels.backward_reduce import batch_norm_backward_reduce
-from tritonbn.kernels.elemt import batch_norm_elemt
-from tritonbn.kernels.stats import batch_norm_stats
+import sys
 
-# The kernels have no local path (the PyTorch backend's tritonbn/_torch_local.py): every call packs its statistics.
-local_forward = local_backward = local_autograd = None
+from tritonbn.backends import triton as _triton_backend
+from tritonbn.backends.triton import (  # noqa: F401 - re-exported (__all__ is the backend's)
+    Plan,
+    _common,
+    _launch,
+    _plan,
+    _tiles,
+    _workspace,
+    backward_elemt,
+    backward_reduce,
+    batch_norm_backward_elemt,
+    batch_norm_backward_reduce,
+    batch_norm_elemt,
+    batch_norm_stats,
+    elemt,
+    plan,
+    stats,
+)
 
-__all__ = [
-    "Plan",
-    "plan",
-    "batch_norm_stats",
-    "batch_norm_elemt",
-    "batch_norm_backward_reduce",
-    "batch_norm_backward_elemt",
-]
+# ``import tritonbn.kernels.stats`` (and the rest) gives the very module of the backend, not a copy.
+for _module in (_common, _launch, _plan, _tiles, _workspace, backward_elemt, backward_reduce, elemt, stats):
+    sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
+del _module
+
+__all__ = list(_triton_backend.__all__)

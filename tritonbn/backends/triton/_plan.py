@@ -21,8 +21,8 @@ elements. ``PACK`` consecutive planes, though, are one contiguous run per sample
 (``PLANE = H * W``): a program owns ``PACK`` channels, and its tile is a ``[1, BLOCK_I]`` run of
 ``PACK * PLANE`` elements (up to 5% of the lanes idle) of one sample; lane ``f`` belongs to channel
 ``f // PLANE`` of the pack. The kernels broadcast per-channel values to the lanes once per program
-(:func:`tritonbn.kernels._common.per_lane`) and reduce lanes to channels by a segmented scan
-(:func:`tritonbn.kernels._common.store_partials`).
+(:func:`tritonbn.backends.triton._common.per_lane`) and reduce lanes to channels by a segmented scan
+(:func:`tritonbn.backends.triton._common.store_partials`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonbn.kernels._tiles import channels_fastest, inner_block, next_pow2, vector_hint
+from tritonbn.backends.triton._tiles import channels_fastest, inner_block, next_pow2, vector_hint
 
 # The interpreter runs a numpy op per tile, so large tiles and few programs are fastest there;
 # a GPU wants tiles of a few thousand elements and a few waves of programs.
@@ -50,7 +50,7 @@ _MERGE_TILE = 1024
 _MERGE_ROWS = 16
 # Programs per SM a CUDA plan is made for before its kernel is compiled, and the most a fitted plan
 # asks for. A launch fits its plan to the compiled kernel's occupancy before its first launch (see
-# tritonbn.kernels._launch.Launch): then the grid is one wave, every program resident at once. No
+# tritonbn.backends.triton._launch.Launch): then the grid is one wave, every program resident at once. No
 # fitted plan needs more tickets or scratch than the unfitted one, which the first call sized.
 _PROGRAMS_PER_SM = 8
 # Up to this many programs per channel block, or while their partials (two float64 per channel and
@@ -189,7 +189,7 @@ class Plan:
 
 
 # Caches of launch settings that the launchers key by shape, strides and dtypes (see
-# tritonbn.kernels._launch). They hold plans, so whatever changes plans clears them too.
+# tritonbn.backends.triton._launch). They hold plans, so whatever changes plans clears them too.
 _launch_caches: list[dict] = []
 _CACHE_SIZE = 4096
 

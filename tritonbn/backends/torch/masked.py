@@ -1,4 +1,4 @@
-"""Masked BatchNorm on the PyTorch backend: what the four launchers of :mod:`tritonbn._torch_backend` run for ``mask=``.
+"""Masked BatchNorm on the PyTorch backend: what its four launchers run for ``mask=``, around :mod:`.plain`.
 
 ``mask`` is a bool ``(N, *S)`` tensor, True at real positions. What the kernels do in their loops
 (:mod:`tritonbn.kernels`, ``HAS_MASK``) is done here around the unmasked launchers, every step on the
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from tritonbn import _torch_backend as _base
+import tritonbn.backends.torch.plain as _base
 from tritonbn._numerics import compute_dtype
-from tritonbn._torch_ops import _channel_sums, _constants_for, _first, _per_channel
+from tritonbn.backends.torch.steps import _channel_sums, _constants_for, _first, _per_channel
 
 
 def _padded(mask: torch.Tensor) -> torch.Tensor:
@@ -60,24 +60,53 @@ def batch_norm_elemt(x, weight, bias, *, mask: torch.Tensor, **kwargs):
     return y.masked_fill_(_padded(mask), 0), mean, invstd
 
 
-def batch_norm_backward_reduce(grad_out, x, mean, invstd, weight=None, *, mask: torch.Tensor, residual=None,
-                               output=None, **kwargs):  # fmt: skip
+def batch_norm_backward_reduce(
+    grad_out, x, mean, invstd, weight=None, *, mask: torch.Tensor, residual=None, output=None, **kwargs
+):
     """See :func:`tritonbn.kernels.batch_norm_backward_reduce`: sums over the real positions only."""
     padded = _padded(mask)
     return _base.batch_norm_backward_reduce(
-        grad_out.masked_fill(padded, 0), x.masked_fill(padded, 0), mean, invstd, weight,
-        residual=_finite(residual, padded), output=_finite(output, padded), **kwargs,
-    )  # fmt: skip
+        grad_out.masked_fill(padded, 0),
+        x.masked_fill(padded, 0),
+        mean,
+        invstd,
+        weight,
+        residual=_finite(residual, padded),
+        output=_finite(output, padded),
+        **kwargs,
+    )
 
 
-def batch_norm_backward_elemt(grad_out, x, mean, invstd, weight=None, sums=None, count=None, *, mask: torch.Tensor,
-                              residual=None, output=None, out_grad_residual=None, **kwargs):  # fmt: skip
+def batch_norm_backward_elemt(
+    grad_out,
+    x,
+    mean,
+    invstd,
+    weight=None,
+    sums=None,
+    count=None,
+    *,
+    mask: torch.Tensor,
+    residual=None,
+    output=None,
+    out_grad_residual=None,
+    **kwargs,
+):
     """See :func:`tritonbn.kernels.batch_norm_backward_elemt`: both gradients are 0 at padded positions."""
     padded = _padded(mask)
     dx = _base.batch_norm_backward_elemt(
-        grad_out, x.masked_fill(padded, 0), mean, invstd, weight, sums, count, residual=_finite(residual, padded),
-        output=_finite(output, padded), out_grad_residual=out_grad_residual, **kwargs,
-    )  # fmt: skip
+        grad_out,
+        x.masked_fill(padded, 0),
+        mean,
+        invstd,
+        weight,
+        sums,
+        count,
+        residual=_finite(residual, padded),
+        output=_finite(output, padded),
+        out_grad_residual=out_grad_residual,
+        **kwargs,
+    )
     if out_grad_residual is not None:
         out_grad_residual.masked_fill_(padded, 0)
     return None if dx is None else dx.masked_fill_(padded, 0)

@@ -89,14 +89,16 @@ def _act_grad(g, z, activation, slope, output):
     return torch.where(positive, g, g * slope)
 
 
-def backward(layer, eps, grad_out, x, weight, bias, mean, invstd, residual, output, needs):
+def backward(layer, grad_out, saved, needs):
     """``(dx, dweight, dbias, dresidual)`` as differentiable functions of the inputs and ``grad_out``.
 
-    ``needs`` is ``(input, weight, bias, residual)`` from ``ctx.needs_input_grad``; what is not
-    needed is ``None``. ``output`` replaces ``residual`` for the sign of ``z`` (see
-    tritonbn._passes); relu's and leaky_relu's second derivative is zero, so the sign is
-    all the double backward needs from it.
+    ``layer`` is the layer's settings, ``saved`` the forward's :class:`~tritonbn._core.call.Saved`. ``needs`` is
+    ``(input, weight, bias, residual)`` from ``ctx.needs_input_grad``; what is not needed is ``None``.
+    ``saved.output`` replaces ``saved.residual`` for the sign of ``z`` (see :mod:`tritonbn._core.passes`);
+    relu's and leaky_relu's second derivative is zero, so the sign is all the double backward needs from it.
     """
+    x, weight, bias, residual, output = saved.x, saved.weight, saved.bias, saved.residual, saved.output
+    mean, invstd, eps = saved.mean, saved.invstd, layer.eps
     need_x, need_w, need_b, need_r = needs
     group = layer.group if layer.training else None
     xhat = _normalized(x, mean, invstd, layer.training, eps, group)
@@ -115,7 +117,7 @@ def backward(layer, eps, grad_out, x, weight, bias, mean, invstd, residual, outp
     return tuple(out)
 
 
-def jvp(layer, eps, x, weight, bias, mean, invstd, stats, residual, output, tx, tw, tb, tr):
+def jvp(layer, x, weight, bias, mean, invstd, stats, residual, output, tx, tw, tb, tr):
     """The tangent of ``y`` for the tangents ``tx, tw, tb, tr`` of ``x, weight, bias, residual`` (``None``: zero)."""
     acc = compute_dtype(x.dtype)
     xa = x.to(acc)
@@ -130,7 +132,7 @@ def jvp(layer, eps, x, weight, bias, mean, invstd, stats, residual, output, tx, 
             sums = torch.cat([tx.sum(dims), (xhat * tx).sum(dims)])
             all_reduce_sum(sums, layer.group)
             # the global count; a layer that synchronizes with nobody counts its own batch (the PyTorch
-            # backend's local path, tritonbn/_torch_local.py, packs no statistics)
+            # backend's local path, tritonbn/backends/torch/local.py, packs no statistics)
             n = stats[-1].clamp_min(1.0).to(acc) if layer.group is not None else max(1, x.numel() // C)
             t = inv * (tx - _per_channel(sums[:C] / n, x)) - xhat * inv * _per_channel(sums[C:] / n, x)
         else:

@@ -10,7 +10,7 @@ from tritonbn._compat import current_raw_stream
 class Workspace:
     """Per device and stream: ticket counters at zero, and scratch memory for the reductions' partials.
 
-    A kernel that takes tickets (see :mod:`tritonbn.kernels._common`) leaves them at zero, and the
+    A kernel that takes tickets (see :mod:`tritonbn.backends.triton._common`) leaves them at zero, and the
     partials are read only by the launch that wrote them, so launches on one stream, which run one
     after another, share one workspace: no memset and no allocation per launch, nor in a captured
     CUDA graph once the workspace exists. A workspace that must grow is replaced, and the old buffers

@@ -1,4 +1,5 @@
-"""The building blocks of the PyTorch backend (:mod:`tritonbn._torch_backend`): each one native op, or a few.
+"""The building blocks of the PyTorch backend (:mod:`.plain`, :mod:`.masked`, :mod:`.local`): each one native op,
+or a few.
 
 Its module docstring says which native op each step uses and why it is exact enough; these are those steps.
 """
@@ -33,8 +34,12 @@ def _constants_for(C: int, dtype: torch.dtype, device: torch.device) -> tuple[to
     if consts is None:
         options = {"dtype": dtype, "device": device}
         with torch.inference_mode(False):
-            consts = (torch.zeros(C, **options), torch.ones(C, **options), torch.empty(0, **options),
-                      torch.empty(0, **options))  # fmt: skip
+            consts = (
+                torch.zeros(C, **options),
+                torch.ones(C, **options),
+                torch.empty(0, **options),
+                torch.empty(0, **options),
+            )
         _constants[key] = consts
     return consts
 
@@ -57,8 +62,9 @@ def _channel_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> tupl
         x32 = x.to(mean.dtype)
         dy, x = (x32 if dy is x else dy.to(mean.dtype)), x32
     ones = _constants_for(x.shape[1], mean.dtype, x.device)[1]
-    _, dotp, total = _aten.native_batch_norm_backward(dy, x, None, None, None, mean, ones, True, 0.0,
-                                                      [False, True, True])  # fmt: skip
+    _, dotp, total = _aten.native_batch_norm_backward(
+        dy, x, None, None, None, mean, ones, True, 0.0, [False, True, True]
+    )
     return total, dotp
 
 

@@ -5,14 +5,16 @@ the statistics need not be packed for an all-reduce. A layer with no residual, a
 makes the passes torch's own CPU BatchNorm makes (``benchmarks/cpu_train_step.py`` times it against
 ``nn.BatchNorm2d``), in one of two forms that compute the same numbers:
 
-* :func:`local_autograd`, for an eager call that records autograd (:func:`tritonbn.functional.run`): the
-  ops are recorded by torch's autograd itself, with no ``autograd.Function``, so that the backward (and the
-  double backward, and forward-mode AD) are torch's own nodes, as in ``nn.BatchNorm2d``;
-* :func:`local_forward` and :func:`local_backward`, which :func:`tritonbn._passes.forward_pass` and
-  :func:`~tritonbn._passes.backward_pass` call (the custom ops, and calls that record nothing), and which
-  write ``y`` over the shifted copy.
+* :func:`recorded`, for an eager call that records autograd (the dispatch, :mod:`tritonbn._core.dispatch`):
+  the ops are recorded by torch's autograd itself, with no ``autograd.Function``, so that the backward (and
+  the double backward, and forward-mode AD) are torch's own nodes, as in ``nn.BatchNorm2d``;
+* :func:`forward` and :func:`backward`, which the passes call (:mod:`tritonbn._core.passes`: the custom
+  ops, and calls that record nothing), and which write ``y`` over the shifted copy.
 
-The numerical promises are the backend's (see :mod:`tritonbn._torch_backend`):
+``layer`` is the layer's settings: its ``momentum`` and ``eps`` are read. The caller passes no running
+statistics for a forward that must not update them (an activation-checkpointing recompute).
+
+The numerical promises are the backend's (see :mod:`tritonbn.backends.torch.plain`):
 
 * float32 / float64: ``d = x - p`` first (``p`` each channel's first element; ``torch.sub``, exact
   where ``x`` is within a factor 2 of ``p``), then torch's training kernel over ``d``
@@ -38,9 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from tritonbn._compat import current_graph_task_id
 from tritonbn._numerics import compute_dtype
-from tritonbn._torch_ops import (
+from tritonbn.backends.torch.steps import (
     _first,
     _in_layout_of,
     _native_layout,
@@ -80,8 +81,8 @@ def applies(layer, x: torch.Tensor, running_mean: torch.Tensor | None, stats_sin
     return x.numel() > x.shape[1] and (layer.momentum is not None or running_mean is None or stats_sink is not None)
 
 
-def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, recorded):
-    """``(y, mean, invstd)``: the local training forward (see the module docstring). ``recorded``: the ops are
+def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, by_autograd):
+    """``(y, mean, invstd)``: the local training forward (see the module docstring). ``by_autograd``: the ops are
     autograd's to record (``y`` a fresh tensor, and ``mean`` ``None`` where nothing reads it); otherwise ``y`` is
     written over the shifted copy."""
     C = x.shape[1]
@@ -94,24 +95,24 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     momentum = float(layer.momentum) if own else 1.0
     if x.dtype == acc:
         p = _first(x.detach())
-        d = x - _per_channel(p, x) if recorded else _subtract(x, p)
+        d = x - _per_channel(p, x) if by_autograd else _subtract(x, p)
         # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
         rm, rv = (torch.sub(running_mean, p), running_var) if own else torch.zeros(2, C, dtype=acc, device=x.device)
-        if recorded:
+        if by_autograd:
             y, mean_d, invstd = torch.native_batch_norm(d, w, b, rm, rv, True, momentum, layer.eps)
         else:
             y, mean_d, invstd = _train_(d, w, b, rm, rv, momentum, layer.eps)
         if own:
             torch.add(rm, p, out=running_mean)
-        # float64 (out of place: a float64 mean_d is that tensor itself); a recorded call with its buffers updated
+        # float64 (out of place: a float64 mean_d is that tensor itself); a by_autograd call with its buffers updated
         # reads it nowhere
-        mean = None if recorded and own else torch.add(mean_d.detach().double(), p)
+        mean = None if by_autograd and own else torch.add(mean_d.detach().double(), p)
         unbiased = rv
     else:  # torch's training kernel in its mixed-type form (16-bit input, float32 parameters): float32 statistics
         y, mean, invstd = torch.native_batch_norm(
             x, w, b, running_mean if own else None, running_var if own else None, True, momentum, layer.eps
         )
-        y, mean = (y if recorded else _in_layout_of(y, x)), (None if recorded and own else mean.detach().double())
+        y, mean = (y if by_autograd else _in_layout_of(y, x)), (None if by_autograd and own else mean.detach().double())
         unbiased = None if own else invstd.detach().double().pow_(-2).sub_(layer.eps).mul_(n / (n - 1))
     if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n
         stats_sink[:C].add_(mean, alpha=n)
@@ -125,17 +126,15 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     return y, mean, invstd
 
 
-def local_autograd(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink):
+def recorded(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink):
     """``y`` of an eager training call whose ops autograd records (see the module docstring), or ``None`` where
     the local path does not apply or the layout is not one torch's kernels keep (the Function takes those)."""
     if not (applies(layer, x, running_mean, stats_sink) and _native_layout(x)):
         return None
-    if current_graph_task_id() != -1:  # a recompute inside backward (checkpointing) leaves the buffers alone
-        running_mean = running_var = num_batches_tracked = None
     return _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, True)[0]
 
 
-def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink):
+def forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink):
     """``(y, mean, invstd, None)`` of a training forward over ``x`` alone (``mean`` float64), or ``None`` where
     the local path does not apply (:func:`applies`).
 
@@ -144,13 +143,14 @@ def local_forward(layer, x, weight, bias, running_mean, running_var, num_batches
     """
     if not applies(layer, x, running_mean, stats_sink):
         return None
-    y, mean, invstd = _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink,
-                               False)  # fmt: skip
+    y, mean, invstd = _forward(
+        layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, False
+    )
     return (y, mean, invstd, None) if save_stats else (y, None, None, None)
 
 
-def local_backward(grad_out, x, weight, mean, invstd, input_grad, weight_grad, bias_grad):
-    """``(dx, dweight, dbias, None)`` of a layer whose statistics are ``x``'s own (see :func:`local_forward`)."""
+def backward(grad_out, x, weight, mean, invstd, input_grad, weight_grad, bias_grad):
+    """``(dx, dweight, dbias, None)`` of a layer whose statistics are ``x``'s own (see :func:`forward`)."""
     acc = compute_dtype(x.dtype)
     mask = [input_grad, weight_grad, bias_grad]
     w = _as(weight, acc)
@@ -160,8 +160,8 @@ def local_backward(grad_out, x, weight, mean, invstd, input_grad, weight_grad, b
     else:  # torch's mixed-type form: a 16-bit input with float32 statistics (a float32 one where dy is not 16-bit)
         xs = x if grad_out.dtype == x.dtype else x.float()
     dy = grad_out if grad_out.dtype == xs.dtype else grad_out.to(xs.dtype)
-    dx, dw, db = _aten.native_batch_norm_backward(dy, xs, w, None, None, _to(mean, acc), _to(invstd, acc), True, 0.0,
-                                                  mask)  # fmt: skip
+    mean, invstd = _to(mean, acc), _to(invstd, acc)
+    dx, dw, db = _aten.native_batch_norm_backward(dy, xs, w, None, None, mean, invstd, True, 0.0, mask)
     if input_grad and dx.dtype != x.dtype:
         dx = dx.to(x.dtype)
     if weight is not None and weight.dtype != acc:

@@ -1,7 +1,7 @@
 """Forward elementwise pass: ``batch_norm_elemt``, one launch.
 
 One kernel normalizes ``x``. In training it derives each channel's mean and var from the packed
-global sums (see :mod:`tritonbn.kernels.stats`); in eval it reads the running statistics. With
+global sums (see :mod:`tritonbn.backends.triton.stats`); in eval it reads the running statistics. With
 
     scale = weight * invstd,   invstd = 1 / sqrt(var + eps),   shift = bias - mean_lo * scale
 
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tritonbn._numerics import compute_dtype
-from tritonbn.kernels._common import (
+from tritonbn.backends.triton._common import (
     ACTIVATION_CODES,
     acc_dtypes,
     activate,
@@ -46,9 +46,9 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
-from tritonbn.kernels._workspace import workspace
+from tritonbn.backends.triton._launch import Launch, refit_with
+from tritonbn.backends.triton._plan import cache_put, launch_cache, plan
+from tritonbn.backends.triton._workspace import workspace
 
 
 # One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).

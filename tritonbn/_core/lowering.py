@@ -1,7 +1,7 @@
-"""The export path: under an exporting tracer, a call is recorded as torch's own ops (see :mod:`tritonbn.export`).
+"""The export lowering: under an exporting tracer, a call is recorded as torch's own ops (see :mod:`tritonbn.export`).
 
-:func:`tritonbn.functional.run` asks :func:`exporter` which tracer, if any, is recording the call (the
-one hook, marked there), and then hands it to :func:`lowered`: torch's ``batch_norm``, then the fused
+The dispatch (:func:`tritonbn._core.dispatch.run`) asks :func:`exporter` which tracer, if any, is recording the
+call (the one hook, marked there), and then hands it to :func:`lowered`: torch's ``batch_norm``, then the fused
 epilogue as ``add`` and ``relu`` / ``leaky_relu`` / ``silu``. The tracers are told apart so:
 
 * ``torch.export`` (strict and non-strict, and so ``torch.onnx.export(dynamo=True)`` and
@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonbn._checks import ACCUMULATE_EAGER_ONLY
+from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY
 
 # Under torch.jit.trace (and the ONNX exporter that uses it) sizes are traced values, so the argument
 # checks warn that their comparisons become constants. They are meant to: they check a call, and a
 # wrong one raises while tracing.
-warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"tritonbn\.(_checks|functional)")
+warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"tritonbn\._core\.(checks|dispatch)")
 
 
 def exporter(compiling: bool) -> str | None:
@@ -52,14 +52,16 @@ def exporter(compiling: bool) -> str | None:
     return None
 
 
-def lowered(how, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, stats_sink,
-            mask=None):  # fmt: skip
-    """One call of ``layer`` (a :class:`tritonbn._passes.Layer`) in torch's own ops, for the tracer ``how``.
+def lowered(how: str, layer, operands):
+    """One call in torch's own ops, for the tracer ``how``: ``layer`` its settings, ``operands`` its tensors.
 
     The caller has checked the arguments. See the module docstring for what training mode does. A
     masked call (eval only) writes 0 at the padded positions with ``masked_fill``.
     """
-    if stats_sink is not None:
+    t = operands
+    input, weight, bias, residual, mask = t.input, t.weight, t.bias, t.residual, t.mask
+    running_mean, running_var, num_batches_tracked = t.running_mean, t.running_var, t.num_batches_tracked
+    if t.sink is not None:
         raise RuntimeError(f"{ACCUMULATE_EAGER_ONLY}; it cannot run under {how}")
     if layer.training and mask is not None:
         raise RuntimeError(

@@ -1,19 +1,22 @@
 """The compiled path: ``torch.library`` custom ops that ``torch.compile`` traces and keeps whole.
 
-``tritonbn::batch_norm_forward`` and ``tritonbn::batch_norm_backward`` are :func:`forward_pass` and
-:func:`backward_pass` as ops, with the collectives inside; a process group travels by name (a
-string traces). :class:`SyncBatchNormFunction` gives them autograd: torch.library cannot register
-autograd on an op that mutates its inputs (the running statistics).
+``tritonbn::batch_norm_forward`` and ``tritonbn::batch_norm_backward`` are
+:func:`~tritonbn._core.passes.forward_pass` and :func:`~tritonbn._core.passes.backward_pass` as ops, with the
+collectives inside. Their schemas are flat, as ``torch.library`` needs: a process group travels by name (a
+string traces), and each op body rebuilds the layer's settings from its arguments (:func:`settings_of`).
+:class:`SyncBatchNormFunction` gives them autograd: torch.library cannot register autograd on an op that
+mutates its inputs (the running statistics).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tritonbn import higher_order
 from tritonbn._compat import forward_ad_active, resolve_process_group
+from tritonbn._core import higher_order
+from tritonbn._core.call import LayerSettings, Operands, Saved, kept, settings_for, stats_shape
+from tritonbn._core.passes import backward_pass, forward_pass
 from tritonbn._numerics import compute_dtype
-from tritonbn._passes import Layer, backward_pass, forward_pass, kept_for_backward, stats_shape
 from tritonbn.backend import ops_for
 
 
@@ -22,10 +25,10 @@ def group_name(group) -> str:
     return "" if group is None else group.group_name
 
 
-def _resolve_name(name: str):
-    if not name:
-        return None
-    return resolve_process_group(name)
+def settings_of(training, momentum, eps, activation, negative_slope, group_name, name) -> LayerSettings:
+    """The layer's settings, from a custom op's flat arguments (the group by its name, ``""`` for none)."""
+    group = resolve_process_group(group_name) if group_name else None
+    return settings_for(training, momentum, eps, activation, negative_slope, group, debug_group=group, name=name)
 
 
 @torch.library.custom_op(
@@ -46,16 +49,16 @@ def batch_norm_forward(
     negative_slope: float,
     group_name: str,
     mask: torch.Tensor | None = None,
+    name: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`forward_pass` as one op, over the group named ``group_name`` ("" for none): ``(y, mean, invstd, stats)``.
 
     In eval, and on the PyTorch backend's local path (which packs no statistics: nothing reads them there),
     ``stats`` is left uninitialized (an op returns tensors). ``mask``: masked BatchNorm.
     """
-    layer = Layer(training, momentum, eps, activation, negative_slope, _resolve_name(group_name))
-    y, mean, invstd, stats = forward_pass(
-        ops_for(x), layer, x, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask=mask
-    )
+    settings = settings_of(training, momentum, eps, activation, negative_slope, group_name, name)
+    operands = Operands(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask)
+    y, mean, invstd, stats = forward_pass(ops_for(x), settings, operands)
     if stats is None:
         stats = x.new_empty(stats_shape(x.shape[1]), dtype=torch.float64)
     return y, mean, invstd, stats
@@ -83,29 +86,29 @@ def batch_norm_backward(
     stats: torch.Tensor,
     residual: torch.Tensor | None,
     output: torch.Tensor | None,
+    mask: torch.Tensor | None,
     training: bool,
+    momentum: float | None,
+    eps: float,
     activation: str | None,
     negative_slope: float,
+    group_name: str,
+    name: str,
     input_grad: bool,
     weight_grad: bool,
     bias_grad: bool,
     residual_grad: bool,
-    group_name: str,
-    name: str = "",
-    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty."""
-    layer = Layer(training, None, 0.0, activation, negative_slope, _resolve_name(group_name), name=name)
-    grads = backward_pass(
-        ops_for(x), layer, grad_out, x, weight, bias, mean, invstd, stats,
-        residual, output, input_grad, weight_grad, bias_grad, residual_grad, mask,
-    )  # fmt: skip
+    settings = settings_of(training, momentum, eps, activation, negative_slope, group_name, name)
+    saved = Saved(x, weight, bias, mean, invstd, stats, residual, output, mask)
+    grads = backward_pass(ops_for(x), settings, grad_out, saved, (input_grad, weight_grad, bias_grad, residual_grad))
     return tuple(g if g is not None else x.new_empty(0) for g in grads)  # distinct: op outputs may not alias
 
 
 @batch_norm_backward.register_fake
-def _(grad_out, x, weight, bias, mean, invstd, stats, residual, output, training, activation, negative_slope,
-      input_grad, weight_grad, bias_grad, residual_grad, group_name, name="", mask=None):  # fmt: skip
+def _(grad_out, x, weight, bias, *args):
+    input_grad, weight_grad, bias_grad, residual_grad = args[-4:]
     C = x.shape[1]
     gdtype = weight.dtype if weight is not None else compute_dtype(x.dtype)
     return (
@@ -120,23 +123,59 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """Autograd for the two custom ops: the path ``torch.compile`` traces.
 
     torch.library cannot register autograd on an op that mutates its inputs, hence this Function.
-    ``torch.compile`` traces it and keeps both ops whole, with the collectives inside.
+    ``torch.compile`` traces it and keeps both ops whole, with the collectives inside. Its arguments are the
+    forward op's, with the layer's settings spelled out for the schema (see :meth:`args`).
     """
 
     @staticmethod
+    def args(settings: LayerSettings, operands: Operands) -> tuple:
+        """``apply``'s arguments for one call: the differentiable tensors first, then the forward op's others."""
+        t, s = operands, settings
+        return (
+            t.input,
+            t.weight,
+            t.bias,
+            t.residual,
+            t.running_mean,
+            t.running_var,
+            t.num_batches_tracked,
+            s.training,
+            s.momentum,
+            s.eps,
+            s.activation,
+            float(s.negative_slope),
+            group_name(s.group),
+            s.name,
+            t.mask,
+        )
+
+    @staticmethod
     def forward(
-        ctx, x, weight, bias, residual, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-        activation, negative_slope, group_name, name, mask=None,
-    ):  # fmt: skip
+        ctx,
+        x,
+        weight,
+        bias,
+        residual,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        training,
+        momentum,
+        eps,
+        activation,
+        negative_slope,
+        group_name,
+        name,
+        mask,
+    ):
+        op_settings = (training, momentum, eps, activation, negative_slope, group_name, name)
         y, mean, invstd, stats = torch.ops.tritonbn.batch_norm_forward(
-            x, weight, bias, running_mean, running_var, num_batches_tracked, residual, training, momentum, eps,
-            activation, negative_slope, group_name, mask,
-        )  # fmt: skip
-        keep_residual, keep_output = kept_for_backward(y, residual, Layer(training, momentum, eps, activation,
-                                                                           negative_slope))  # fmt: skip
-        ctx.save_for_backward(x, weight, bias, mean, invstd, stats, keep_residual, keep_output, mask)
-        ctx.training, ctx.activation, ctx.negative_slope = training, activation, negative_slope
-        ctx.group_name, ctx.has_residual, ctx.name, ctx.eps = group_name, residual is not None, name, eps
+            x, weight, bias, running_mean, running_var, num_batches_tracked, residual, *op_settings[:-1], mask, name
+        )
+        ctx.save_for_backward(
+            x, weight, bias, mean, invstd, stats, *kept(y, residual, activation, negative_slope), mask
+        )
+        ctx.op_settings, ctx.has_residual = op_settings, residual is not None
         if forward_ad_active():  # forward-mode AD is on: what jvp needs (inputs and statistics only)
             higher_order.check_unmasked(mask, "forward-mode AD")
             ctx.for_jvp = (x, weight, bias, mean, invstd, stats, residual)
@@ -144,19 +183,27 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, bias, mean, invstd, stats, residual, output, mask = ctx.saved_tensors
+        saved = Saved(*ctx.saved_tensors)
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
-        need_r = need_r and ctx.has_residual
+        needs = (need_x, need_w, need_b, need_r and ctx.has_residual)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True: see higher_order
-            higher_order.check_unmasked(mask, "double backward (create_graph=True)")
-            grads = higher_order.backward(_ctx_layer(ctx), ctx.eps, grad_out, x, weight, bias, mean, invstd, residual,
-                                          output, (need_x, need_w, need_b, need_r))  # fmt: skip
-            return grads + (None,) * 11
+            higher_order.check_unmasked(saved.mask, "double backward (create_graph=True)")
+            return higher_order.backward(settings_of(*ctx.op_settings), grad_out, saved, needs) + (None,) * 11
         dx, dw, db, dr = torch.ops.tritonbn.batch_norm_backward(
-            grad_out, x, weight, bias, mean, invstd, stats, residual, output, ctx.training, ctx.activation,
-            ctx.negative_slope, need_x, need_w, need_b, need_r, ctx.group_name, ctx.name, mask,
-        )  # fmt: skip
-        grads = (dx if need_x else None, dw if need_w else None, db if need_b else None, dr if need_r else None)
+            grad_out,
+            saved.x,
+            saved.weight,
+            saved.bias,
+            saved.mean,
+            saved.invstd,
+            saved.stats,
+            saved.residual,
+            saved.output,
+            saved.mask,
+            *ctx.op_settings,
+            *needs,
+        )
+        grads = tuple(g if need else None for g, need in zip((dx, dw, db, dr), needs, strict=True))
         return grads + (None,) * 11
 
 
@@ -169,9 +216,4 @@ class SyncBatchNormFunctionForwardAD(SyncBatchNormFunction):
 
     @staticmethod
     def jvp(ctx, tx, tw, tb, tr, *_):
-        return higher_order.jvp(_ctx_layer(ctx), ctx.eps, *ctx.for_jvp, None, tx, tw, tb, tr)
-
-
-def _ctx_layer(ctx) -> Layer:
-    """The :class:`Layer` that :mod:`tritonbn.higher_order` needs, from what the custom-op Function saved."""
-    return Layer(ctx.training, None, ctx.eps, ctx.activation, ctx.negative_slope, _resolve_name(ctx.group_name))
+        return higher_order.jvp(settings_of(*ctx.op_settings), *ctx.for_jvp, None, tx, tw, tb, tr)

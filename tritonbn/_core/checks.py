@@ -7,7 +7,6 @@ import torch
 from tritonbn._compat import assert_on_device
 from tritonbn._numerics import FLOAT_DTYPES
 from tritonbn.activations import check_activation
-from tritonbn.distributed import dtype_code
 
 # Raised wherever tritonbn.accumulate_stats meets a call it cannot pool: compiled, transformed or traced.
 ACCUMULATE_EAGER_ONLY = (
@@ -34,24 +33,20 @@ def check_momentum(momentum: float | None) -> None:
         raise ValueError(f"momentum must be in [0, 1] or None, got {momentum}")
 
 
-def check_inputs(
-    input: torch.Tensor,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    momentum: float | None,
-    eps: float,
-    num_batches_tracked: torch.Tensor | None = None,
-    num_features: int | None = None,
-    residual: torch.Tensor | None = None,
-    training: bool = True,
-) -> None:
+def check_inputs(operands, momentum: float | None, eps: float, training: bool, num_features: int | None = None):
     """Raise a ``ValueError``/``TypeError`` naming the argument for anything a rank can see alone.
 
     As in torch, ``eps`` must be positive in training and non-negative in eval, and ``momentum``
-    (unused in eval) is only checked in training.
+    (unused in eval) is only checked in training. ``operands``: the call's
+    :class:`~tritonbn._core.call.Operands` (its mask and sink are checked elsewhere).
     """
+    input, residual, num_batches_tracked = operands.input, operands.residual, operands.num_batches_tracked
+    running_mean, running_var, weight, bias = (
+        operands.running_mean,
+        operands.running_var,
+        operands.weight,
+        operands.bias,
+    )
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a tensor, got {type(input).__name__}")
     if not 2 <= input.dim() <= 5:
@@ -105,8 +100,10 @@ def check_mask(mask, input: torch.Tensor) -> None:
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True at real positions), got dtype {mask.dtype}")
     if tuple(mask.shape) != shape:
-        raise ValueError(f"mask must have the input's shape without its channel dimension, {shape} for input of "
-                         f"shape {tuple(input.shape)}, got {tuple(mask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"mask must have the input's shape without its channel dimension, {shape} for input of "
+            f"shape {tuple(input.shape)}, got {tuple(mask.shape)}"
+        )
     if mask.device != input.device:
         raise ValueError(f"mask must be on the input's device {input.device}, got {mask.device}")
 
@@ -142,31 +139,18 @@ def mask_from_lengths(input: torch.Tensor, lengths, mask: torch.Tensor | None = 
     return torch.arange(L, device=input.device) < lengths[:, None]
 
 
-def signature(input, training: bool, input_grad: bool) -> dict[str, float]:
-    """What every rank must agree on before a collective (TRITONBN_DEBUG=1), besides the call and the layer."""
-    ok = isinstance(input, torch.Tensor) and input.dim() >= 2
-    return {
-        "channels": input.shape[1] if ok else -1,
-        "ndim": input.dim() if ok else -1,
-        "dtype": dtype_code(input.dtype) if ok else 0,
-        "training": int(training),
-        "input_grad": int(input_grad),
-    }
-
-
-def check_call(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features,
-               mask=None):  # fmt: skip
-    """Every check of one call of ``layer`` (a :class:`tritonbn._passes.Layer`): :func:`check_inputs` and the
-    rules that need the layer's mode."""
-    training = layer.training
-    check_inputs(input, running_mean, running_var, weight, bias, layer.momentum, layer.eps, num_batches_tracked,
-                 num_features, residual, training=training)  # fmt: skip
-    check_activation(layer.activation, layer.negative_slope)
-    if mask is not None:
-        check_mask(mask, input)
-    if not training and running_mean is None:
+def check_call(settings, operands, num_features: int | None = None) -> None:
+    """Every check of one call (a :class:`~tritonbn._core.call.LayerSettings` and its
+    :class:`~tritonbn._core.call.Operands`): :func:`check_inputs` and the rules that need the layer's mode."""
+    t = operands
+    training = settings.training
+    check_inputs(t, settings.momentum, settings.eps, training, num_features)
+    check_activation(settings.activation, settings.negative_slope)
+    if t.mask is not None:
+        check_mask(t.mask, t.input)
+    if not training and t.running_mean is None:
         raise ValueError("running_mean and running_var are required when training=False")
-    if training and layer.group is None and input.numel() // input.shape[1] == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}")
-    if training and layer.momentum is None and running_mean is not None and num_batches_tracked is None:
+    if training and settings.group is None and t.input.numel() // t.input.shape[1] == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(t.input.shape)}")
+    if training and settings.momentum is None and t.running_mean is not None and t.num_batches_tracked is None:
         raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")

@@ -5,7 +5,7 @@ sums, per lane, ``dz`` and ``dz * (x - mean_hi)``, where ``dz = dy * act'(z)`` i
 a fused activation (``dz = dy`` without one): two loads, one subtract, one add and one fused
 multiply-add per element. It merges its lanes and writes one partial per channel; the partials are
 added in a fixed order, in fp64, in two levels past 16 programs (see
-:func:`tritonbn.kernels._common.merge_tree`), and the program left holding the sums writes the
+:func:`tritonbn.backends.triton._common.merge_tree`), and the program left holding the sums writes the
 packed buffer ``[sum_dz | sum_dz_xhat]`` that is all-reduced across ranks, with
 
     sum_dz_xhat = (sum(dz * (x - mean_hi)) - mean_lo * sum_dz) * invstd,
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from tritonbn._numerics import compute_dtype
 from tritonbn.activations import check_output_gives_grad
-from tritonbn.kernels._common import (
+from tritonbn.backends.triton._common import (
     ACTIVATION_CODES,
     AUX_NONE,
     AUX_OUTPUT,
@@ -42,9 +42,9 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
-from tritonbn.kernels._workspace import workspace
+from tritonbn.backends.triton._launch import Launch, refit_with
+from tritonbn.backends.triton._plan import cache_put, launch_cache, plan
+from tritonbn.backends.triton._workspace import workspace
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would

@@ -62,7 +62,7 @@ from tritonbn._compat import (
     triton_runtime_knobs,
     version_tuple,
 )
-from tritonbn.kernels._plan import fits_occupancy, planned_target
+from tritonbn.backends.triton._plan import fits_occupancy, planned_target
 
 _knobs = triton_runtime_knobs()  # ``interpret``
 if _knobs.interpret:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonbn.kernels._common import (
+from tritonbn.backends.triton._common import (
     ACTIVATION_CODES,
     acc_dtypes,
     channel_block,
@@ -29,10 +29,10 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
-from tritonbn.kernels.backward_reduce import aux_tensor
-from tritonbn.kernels.elemt import empty_like_layout
+from tritonbn.backends.triton._launch import Launch, refit_with
+from tritonbn.backends.triton._plan import cache_put, launch_cache, plan
+from tritonbn.backends.triton.backward_reduce import aux_tensor
+from tritonbn.backends.triton.elemt import empty_like_layout
 
 
 # One compiled kernel whether a program gets one tile or many (Triton would specialize a 1).

@@ -1,4 +1,4 @@
-"""Pure-PyTorch backend: the same four launchers as :mod:`tritonbn.kernels`, with the same math.
+"""The PyTorch backend's four launchers, unmasked: the same math as :mod:`tritonbn.kernels`.
 
 It runs wherever PyTorch runs (CPU without the Triton interpreter, or a device Triton cannot target),
 keeps every result on the device (no host synchronization), and uses the same shifted statistics,
@@ -54,10 +54,8 @@ import threading
 
 import torch
 
-from tritonbn import _masked_torch  # masked BatchNorm's launchers, around these (it imports this module back)
 from tritonbn._numerics import compute_dtype
-from tritonbn._torch_local import local_autograd, local_backward, local_forward  # noqa: F401 - the local path
-from tritonbn._torch_ops import (
+from tritonbn.backends.torch.steps import (
     _activate_,
     _channel_sums,
     _constants_for,
@@ -98,7 +96,7 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     """See :func:`tritonbn.kernels.batch_norm_stats`.
 
     As the kernel: ``d = x - p`` with ``p`` each channel's first element, ``S1 = sum(d)`` and
@@ -107,8 +105,6 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> to
     free of cancellation when ``|mean| >> std``; removing it in fp64 is exact to ~1e-16. 16-bit
     inputs skip the shifted copy (see below): one native pass over ``x`` itself.
     """
-    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        return _masked_torch.batch_norm_stats(x, mask=mask)
     C = x.shape[1]
     n = x.numel() // C if C else 0
     if n == 0:
@@ -183,7 +179,6 @@ def batch_norm_elemt(
     activation: str | None = None,
     negative_slope: float = 0.01,
     save_stats: bool = True,
-    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`tritonbn.kernels.batch_norm_elemt`.
 
@@ -196,12 +191,6 @@ def batch_norm_elemt(
     ``var = 1``, ``eps = 0`` (``alpha = scale``, ``beta = shift - hi * scale``: exact enough for 16-bit
     outputs, see the module docstring).
     """
-    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        return _masked_torch.batch_norm_elemt(
-            x, weight, bias, mask=mask, stats=stats, running_mean=running_mean, running_var=running_var,
-            num_batches_tracked=num_batches_tracked, momentum=momentum, eps=eps, residual=residual,
-            activation=activation, negative_slope=negative_slope, save_stats=save_stats,
-        )  # fmt: skip
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
@@ -261,7 +250,6 @@ def batch_norm_backward_reduce(
     negative_slope: float = 0.01,
     residual: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """See :func:`tritonbn.kernels.batch_norm_backward_reduce`.
 
@@ -269,11 +257,6 @@ def batch_norm_backward_reduce(
     then ``sum(dz * xhat) = (sum(dz * (x - hi)) - lo * sum(dz)) * invstd`` in the arithmetic type (its
     operands are the native op's float32 sums: float64 here would add no precision).
     """
-    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        return _masked_torch.batch_norm_backward_reduce(
-            grad_out, x, mean, invstd, weight, mask=mask, weight_grad=weight_grad, bias_grad=bias_grad, bias=bias,
-            activation=activation, negative_slope=negative_slope, residual=residual, output=output,
-        )  # fmt: skip
     acc = compute_dtype(x.dtype)
     hi, lo = _split_mean(mean, acc)
     invstd = _to(invstd, acc)
@@ -312,7 +295,6 @@ def batch_norm_backward_elemt(
     output: torch.Tensor | None = None,
     input_grad: bool = True,
     out_grad_residual: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """See :func:`tritonbn.kernels.batch_norm_backward_elemt`.
 
@@ -322,12 +304,6 @@ def batch_norm_backward_elemt(
     16-bit inputs take these steps on float32 copies and round once at the end. In eval,
     ``dx = dz * scale``: one native pass.
     """
-    if mask is not None:  # masked BatchNorm: tritonbn/_masked_torch.py, around this function unmasked
-        return _masked_torch.batch_norm_backward_elemt(
-            grad_out, x, mean, invstd, weight, sums, count, mask=mask, bias=bias, activation=activation,
-            negative_slope=negative_slope, residual=residual, output=output, input_grad=input_grad,
-            out_grad_residual=out_grad_residual,
-        )  # fmt: skip
     if sums is not None and count is None:
         raise ValueError("batch_norm_backward_elemt: sums needs count")
     acc = compute_dtype(x.dtype)
@@ -348,8 +324,9 @@ def batch_norm_backward_elemt(
     if sums is None:
         if dz.dtype == x.dtype:  # native_batch_norm_backward in eval mode: dz * weight / sqrt(var + eps), one pass
             zeros, ones = _constants_for(x.shape[1], acc, x.device)[:2]
-            dx = _aten.native_batch_norm_backward(dz, x, scale, zeros, ones, None, None, False, 0.0,
-                                                  [True, False, False])[0]  # fmt: skip
+            dx = _aten.native_batch_norm_backward(
+                dz, x, scale, zeros, ones, None, None, False, 0.0, [True, False, False]
+            )[0]
             return dx if dx.stride() == x.stride() else torch.empty_like(x).copy_(dx)
         return torch.mul(dz, _per_channel(scale, x), out=torch.empty_like(x))
     mean_dz, k = (sums * count.clamp_min(1.0).reciprocal_().to(acc)).unbind()

@@ -1,7 +1,7 @@
 """Triton helpers shared by the kernels: the tile walk, per-channel statistics, tickets, epilogues.
 
 The tile walk. A program owns the contiguous chunk of tiles ``[t_start, t_end)`` (see
-:mod:`tritonbn.kernels._plan`). It keeps the tile's outer index ``o`` and inner tile ``it`` and
+:mod:`tritonbn.backends.triton._plan`). It keeps the tile's outer index ``o`` and inner tile ``it`` and
 steps them by one each iteration, without a division. Every loop issues the loads of the *next*
 tile before it computes on the current one (software prefetch into registers), so each iteration's
 loads are in flight together and overlap the previous tile's arithmetic.
@@ -98,7 +98,7 @@ def tile_keep(m_ptr, o, inner, valid, inner_v, O1, O2, s_o0, s_o1, s_o2, s_i, VE
 @triton.jit
 def channel_block(pid_c, C, BLOCK_C: tl.constexpr, PACK: tl.constexpr):
     """``(cols, c_mask)``: the ``BLOCK_C`` channel slots of program ``pid_c``, of which the first ``PACK``
-    are its channels (all of them unless the plan is packed, see :mod:`tritonbn.kernels._plan`)."""
+    are its channels (all of them unless the plan is packed, see :mod:`tritonbn.backends.triton._plan`)."""
     k = tl.arange(0, BLOCK_C)
     cols = pid_c * PACK + k
     if PACK == BLOCK_C:

@@ -1,4 +1,4 @@
-"""Tile shapes: the inner block and the vector width a plan takes (see :mod:`tritonbn.kernels._plan`)."""
+"""Tile shapes: the inner block and the vector width a plan takes (see :mod:`tritonbn.backends.triton._plan`)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ channel's first element, the same in every program)::
 in fp32 (fp64 for float64 inputs): one subtract, one add and one fused multiply-add per element.
 The shift keeps the sums small when ``|mean| >> std``, so ``var = S2/n - (S1/n)^2`` does not cancel.
 Each program merges its lanes in fp64 and writes one partial per channel; the partials are added in
-a fixed order, in two levels past 16 programs (see :func:`tritonbn.kernels._common.merge_tree`), and
+a fixed order, in two levels past 16 programs (see :func:`tritonbn.backends.triton._common.merge_tree`), and
 the one program left holding the sums removes the shift in fp64, and writes the packed,
 sum-combinable buffer of ``2C + 1`` float64::
 
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonbn.kernels._common import (
+from tritonbn.backends.triton._common import (
     acc_dtypes,
     channel_block,
     channel_view,
@@ -41,9 +41,9 @@ from tritonbn.kernels._common import (
     tile_rows,
     tile_start,
 )
-from tritonbn.kernels._launch import Launch, refit_with
-from tritonbn.kernels._plan import cache_put, launch_cache, plan
-from tritonbn.kernels._workspace import workspace
+from tritonbn.backends.triton._launch import Launch, refit_with
+from tritonbn.backends.triton._plan import cache_put, launch_cache, plan
+from tritonbn.backends.triton._workspace import workspace
 
 
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
@@ -227,7 +227,7 @@ _launches = launch_cache()
 
 def _launch(x: torch.Tensor, mask: torch.Tensor | None = None, per_sm: int | None = None) -> Launch:
     """The launch of the statistics kernel on inputs like ``x`` (its shape, strides, dtype and device) and
-    ``mask`` (its strides), planned for ``per_sm`` programs per SM (see :mod:`tritonbn.kernels._launch`)."""
+    ``mask`` (its strides), planned for ``per_sm`` programs per SM (see :mod:`tritonbn.backends.triton._launch`)."""
     # A masked layer reads one tile a step, of the unscaled size: its masks and counters, with the scalar loads of
     # tiles that cannot vectorize, took the doubled tile to 128-144 registers (kernel_audit.py --masked).
     layout = plan(x.shape, x, tile_scale=2 if mask is None else 1, per_sm=per_sm, merges=True, mask=mask)

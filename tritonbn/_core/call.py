@@ -1,0 +1,135 @@
+"""What one call carries: the layer's settings (built once per layer), its tensors, and what backward saves.
+
+Three records, so that the dispatch, the checks, the export lowering and the passes pass on one value each
+instead of a dozen loose arguments:
+
+* :class:`LayerSettings`: what a layer's calls need besides their tensors (mode, momentum, eps, epilogue,
+  process groups, the layer's name in debug checks), built by :func:`settings_for` alone. The module builds
+  it once and keeps it until one of its settings changes; the functional form builds one per call; the
+  custom ops rebuild it from their flat schema. There are no placeholder values.
+* :class:`Operands`: the tensors of one call (input, parameters, running statistics, residual, mask, and
+  the ``accumulate_stats`` sink).
+* :class:`Saved`: what the forward keeps for the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tritonbn._compat import current_graph_task_id
+from tritonbn.activations import output_gives_grad
+from tritonbn.distributed import world
+
+
+@dataclass(slots=True, kw_only=True)
+class LayerSettings:
+    """A layer's settings: what each call of the layer needs besides its tensors.
+
+    ``training``: the call normalizes with batch statistics (training mode, or eval without running
+    statistics). ``group`` is what training synchronizes over (``None``: this rank alone; always ``None`` in
+    eval), ``debug_group`` what ``TRITONBN_DEBUG=1`` checks signatures over, and ``name`` the layer's identity
+    in those checks. ``world`` is the default process group the groups were resolved against, so that a
+    module built before ``init_process_group`` resolves them again.
+    """
+
+    training: bool
+    momentum: float | None
+    eps: float
+    activation: str | None
+    negative_slope: float
+    group: object
+    debug_group: object
+    name: str
+    world: object
+
+
+def settings_for(
+    training, momentum, eps, activation, negative_slope, group, *, debug_group, name="", batch_stats=False
+) -> LayerSettings:
+    """The one builder of :class:`LayerSettings` (the module's, once per layer; the functional form's and the
+    custom ops', once per call), ``group`` and ``debug_group`` already resolved (``None``: nobody).
+
+    ``training`` synchronizes the batch statistics over ``group``; ``batch_stats`` normalizes with the batch's
+    own statistics in eval (a layer without running statistics), without synchronizing.
+    """
+    return LayerSettings(
+        training=training or batch_stats,
+        momentum=momentum,
+        eps=eps,
+        activation=activation,
+        negative_slope=negative_slope,
+        group=group if training else None,
+        debug_group=debug_group,
+        name=name,
+        world=world(),
+    )
+
+
+@dataclass(slots=True)
+class Operands:
+    """The tensors of one call. ``sink``: the ``accumulate_stats`` buffer this call's global sums go to, in
+    place of the running-statistics update (``None`` outside that block). ``mask``: masked BatchNorm's bool
+    ``(N, *S)`` tensor, True at real positions (``None``: no mask)."""
+
+    input: torch.Tensor
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    running_mean: torch.Tensor | None = None
+    running_var: torch.Tensor | None = None
+    num_batches_tracked: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+
+    def without_running_stats(self) -> Operands:
+        """The same call, updating no running statistics (a forward inside backward: a checkpoint recompute)."""
+        return Operands(self.input, self.weight, self.bias, None, None, None, self.residual, self.mask, self.sink)
+
+
+@dataclass(slots=True)
+class Saved:
+    """What backward reads: the input, parameters, the statistics the forward used (``stats``: the global packed
+    sums, ``None`` in eval), and what act'(z) is read from (``residual`` or ``output``, see :func:`kept`)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    mean: torch.Tensor
+    invstd: torch.Tensor
+    stats: torch.Tensor | None
+    residual: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+def stats_shape(C: int) -> tuple[int, ...]:
+    """Shape of the packed forward statistics: ``[sum x (C) | sum x^2 (C) | count (1)]``."""
+    return (2 * C + 1,)
+
+
+def in_backward() -> bool:
+    """Whether this forward runs inside a backward pass: an activation-checkpointing recompute."""
+    return current_graph_task_id() != -1
+
+
+def kept(y, residual, activation, negative_slope):
+    """``(residual, output)``: what backward reads act'(z) from (see :mod:`tritonbn._core.passes`), or ``None``."""
+    if activation is None or residual is None:
+        return None, None
+    if output_gives_grad(activation, negative_slope):
+        return None, y
+    return residual, None
+
+
+def synchronizes_with_nobody(settings: LayerSettings, residual, mask) -> bool:
+    """Whether a call can take the PyTorch backend's local path: training with no process group, and no residual,
+    activation or mask (in backward: the residual it saved)."""
+    return (
+        settings.training
+        and settings.group is None
+        and settings.activation is None
+        and residual is None
+        and mask is None
+    )

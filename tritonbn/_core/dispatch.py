@@ -1,0 +1,112 @@
+"""The one dispatch: every call of the module and of the functional form goes through :func:`run`.
+
+A call is checked (:mod:`tritonbn._core.checks`, and with ``TRITONBN_DEBUG=1`` the signature check across ranks,
+:mod:`tritonbn._signature`), then runs one of four ways, each over the same two passes
+(:mod:`tritonbn._core.passes`, where the data path and the gradient derivation are written out):
+
+* under an exporting tracer (``torch.export``, ONNX, ``jit.trace``): torch's own ops (:mod:`tritonbn._core.lowering`);
+* compiled, traced, or under a transform or dispatch mode: the custom ops (:mod:`tritonbn._core.custom_ops`);
+* eager, with autograd: :class:`tritonbn._core.eager.EagerBatchNormFunction`, straight over the launchers (on the
+  PyTorch backend, a layer that synchronizes with nobody runs torch's own ops instead, which autograd records
+  itself: :func:`tritonbn.backends.torch.local.recorded`);
+* without autograd (inference, or nothing needs a gradient): :func:`~tritonbn._core.passes.forward_pass` alone.
+
+A call is a :class:`~tritonbn._core.call.LayerSettings` (built by :func:`~tritonbn._core.call.settings_for`,
+once per module) and its :class:`~tritonbn._core.call.Operands`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonbn._compat import dispatch_stack_len, forward_ad_active, functorch_transforms_active
+from tritonbn._core.call import LayerSettings, in_backward, synchronizes_with_nobody
+from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call
+from tritonbn._core.custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD
+from tritonbn._core.eager import apply_eager
+from tritonbn._core.lowering import exporter, lowered
+from tritonbn._core.passes import forward_pass
+from tritonbn._signature import check_signature, debug_enabled, signature
+from tritonbn.backend import ops_for
+
+_TRANSFORMS = (
+    "tritonbn does not support torch.func transforms (vmap, grad, jvp, jacrev, jacfwd, hessian): use "
+    "torch.autograd.grad (create_graph=True for higher orders) and torch.autograd.forward_ad instead, "
+    "or torch.func.functional_call, which runs without a transform"
+)
+
+
+def is_eager(x: torch.Tensor) -> bool:
+    """Whether a call may skip the custom ops: a plain tensor, no functorch transform or dispatch mode active.
+
+    Anything else (a tensor subclass such as a FakeTensor, ``make_fx``, ``vmap``) takes the custom
+    ops, which those know how to trace. The caller has checked ``torch.compiler.is_compiling()``.
+    """
+    return type(x) is torch.Tensor and not functorch_transforms_active() and dispatch_stack_len() == 0
+
+
+def params_need_grad(weight, bias, residual) -> bool:
+    """Whether a differentiable input other than ``input`` requires grad (the caller checks grad mode)."""
+    return (
+        (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    )
+
+
+def run(settings: LayerSettings, operands, num_features: int | None = None) -> torch.Tensor:
+    """One call: the checks, then the export lowering, the custom ops, the eager Function, or no autograd.
+
+    Every argument a rank can get wrong alone is checked first; with ``TRITONBN_DEBUG=1`` the ranks of
+    ``settings.debug_group`` then compare signatures, so that a rank whose input was rejected makes every rank
+    raise instead of leaving them waiting in the next collective.
+    """
+    t = operands
+    input = t.input
+    compiling = torch.compiler.is_compiling()
+    checking = settings.debug_group is not None and not compiling and debug_enabled()
+    grad_mode = torch.is_grad_enabled()
+    input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
+    try:
+        check_call(settings, t, num_features)
+    except (ValueError, TypeError) as error:
+        if checking:  # every rank stops here, instead of the others waiting in the next collective
+            fields = signature(input, settings.training, input_grad)
+            check_signature(settings.debug_group, "forward", fields, local_error=error, name=settings.name)
+        raise
+    if checking:
+        check_signature(
+            settings.debug_group, "forward", signature(input, settings.training, input_grad), name=settings.name
+        )
+    how = exporter(compiling)  # THE export hook: torch.export, ONNX, jit.trace record torch's own ops
+    if how is not None:
+        return lowered(how, settings, t)
+    if compiling or not is_eager(input):
+        if t.sink is not None:
+            raise RuntimeError(ACCUMULATE_EAGER_ONLY)
+        if not compiling and functorch_transforms_active():
+            raise RuntimeError(_TRANSFORMS)
+        function = SyncBatchNormFunction
+        if forward_ad_active():
+            if compiling:
+                raise RuntimeError(
+                    "tritonbn does not support forward-mode AD (torch.autograd.forward_ad) under torch.compile: "
+                    "call the layer uncompiled"
+                )
+            function = SyncBatchNormFunctionForwardAD
+        return function.apply(*SyncBatchNormFunction.args(settings, t))
+    backend = ops_for(input)
+    if input_grad or (grad_mode and params_need_grad(t.weight, t.bias, t.residual)) or forward_ad_active():
+        # The PyTorch backend's local path, recorded by autograd itself (None for the kernels). Forward-mode AD
+        # keeps the Function: an outer torch.compile resumed after its graph break would trace these ops.
+        local = backend.local
+        if local is not None and synchronizes_with_nobody(settings, t.residual, t.mask) and not forward_ad_active():
+            if in_backward():  # a recompute inside backward (checkpointing) leaves the buffers alone
+                t = t.without_running_stats()
+            y = local.recorded(
+                settings, input, t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked, t.sink
+            )
+            if y is not None:
+                return y
+        return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)
+    return forward_pass(backend, settings, t, save_stats=False)[0]

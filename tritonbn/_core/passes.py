@@ -1,0 +1,162 @@
+"""The two passes: a backend's launchers plus one all-reduce per pass, each one plain function of tensors.
+
+:func:`forward_pass` and :func:`backward_pass` hold the passes, over the four launchers of a backend
+(:class:`tritonbn.backend.Backend`: the Triton kernels or the PyTorch backend). Eager calls run them from
+an autograd Function directly (:mod:`tritonbn._core.eager`); ``torch.compile`` traces the ``torch.library``
+custom ops (:mod:`tritonbn._core.custom_ops`), whose bodies call the same two functions.
+
+Forward (training)::
+
+    stats = batch_norm_stats(x)                 # local [sum_x | sum_x2 | count], (2C + 1,) fp64
+    all_reduce(stats)                           # THE forward collective: 2C + 1 doubles, any world size
+    y, mean, invstd = batch_norm_elemt(...)     # also updates the running stats on the device
+
+Backward (training)::
+
+    sums, dw, db = batch_norm_backward_reduce(dy, x, mean, invstd, w)   # local, (2, C) fp32
+    all_reduce(sums)                            # THE backward collective: 2*C floats
+    dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:])
+
+On the PyTorch backend a layer that synchronizes with nobody (no process group, residual, activation or
+mask) takes its local path instead, torch's own passes without the packed statistics
+(:mod:`tritonbn.backends.torch.local`): here for the custom ops and calls that record no autograd; an eager
+call that records autograd runs the same ops before any Function (:mod:`tritonbn._core.dispatch`).
+
+Each launcher is one kernel launch. Float64 inputs compute in float64 throughout (saved invstd and
+the backward sums too), so ``torch.autograd.gradcheck`` holds at its default tolerances.
+
+Derivation. With ``xhat = (x - mean) * invstd`` over the global batch of ``n`` elements per
+channel and ``y = xhat * w + b``, the gradient of any loss with respect to ``x`` is
+
+    dx = w * invstd * (dy - mean(dy) - xhat * mean(dy * xhat))
+
+where the means run over the *global* batch: this is why backward needs the global
+``sum(dy)`` and ``sum(dy * xhat)``, and nothing else, from the other ranks. ``dw = sum(dy * xhat)``
+and ``db = sum(dy)`` stay local, as in ``torch.nn.SyncBatchNorm``: DDP averages them.
+
+A fused epilogue ``y = act(z)``, ``z = xhat * w + b + residual``, changes only the upstream
+gradient: every formula above takes ``dz = dy * act'(z)`` in place of ``dy``, and the residual's
+gradient is ``dz``. The backward kernels compute ``dz`` on the fly, in the passes they make anyway.
+What they need for ``act'(z)`` decides what is saved:
+
+* no residual: nothing more; ``z`` is recomputed from the saved ``x`` and the statistics;
+* a residual with relu, or leaky_relu with a slope >= 0: the output ``y`` (``z > 0`` exactly where
+  ``y > 0``), which the next layer usually holds anyway;
+* a residual with silu (or a negative slope): the residual itself, to recompute ``z``.
+
+In eval (running statistics) mean and invstd are constants: ``dx = w * invstd * dz``, and nothing
+communicates.
+
+Gradients beyond first order go through :mod:`tritonbn._core.higher_order`: under ``create_graph=True``
+(``torch.is_grad_enabled()`` inside backward) both autograd Functions' backward recompute the gradients with
+differentiable torch ops and a differentiable all-reduce instead of the launchers, and forward-mode
+AD uses their ``jvp``. The first-order path does none of this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonbn._core.call import Saved, in_backward, synchronizes_with_nobody
+from tritonbn._signature import check_signature, debug_enabled, signature
+from tritonbn.distributed import all_reduce_sum
+
+
+def forward_pass(backend, settings, operands, save_stats=True):
+    """The forward pass over ``backend``'s launchers: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
+
+    Training: local stats, the one all-reduce over ``settings.group`` (``None``: no communication), then
+    ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the global packed
+    ``[sum x | sum x^2 | count]``. A forward that runs inside a backward pass (an activation-checkpointing
+    recompute) leaves the running statistics alone. ``save_stats=False`` (nothing will run backward) skips
+    ``mean`` and ``invstd``.
+
+    ``operands.sink`` (:func:`tritonbn.accumulate_stats`): a ``(2C + 1,)`` fp64 buffer that ``stats`` is added
+    into, on the device, in place of the running-stat update. ``operands.mask`` (masked BatchNorm): a bool
+    ``(N, *S)`` tensor, True at real positions; statistics and count cover those, and ``y`` is 0 at the others.
+    """
+    t = operands
+    stats = None
+    if settings.training:
+        if in_backward():
+            t = t.without_running_stats()
+        local = backend.local  # the PyTorch backend's local path; None for the kernels
+        if local is not None and synchronizes_with_nobody(settings, t.residual, t.mask):
+            rm, rv, nbt = t.running_mean, t.running_var, t.num_batches_tracked
+            out = local.forward(settings, t.input, t.weight, t.bias, rm, rv, nbt, save_stats, t.sink)
+            if out is not None:
+                return out
+        stats = backend.batch_norm_stats(t.input, mask=t.mask)
+        if settings.group is not None:
+            all_reduce_sum(stats, settings.group)
+        if t.sink is not None:  # tritonbn.accumulate_stats: pool the global sums, update nothing now
+            t.sink.add_(stats)
+            t = t.without_running_stats()
+    y, mean, invstd = backend.batch_norm_elemt(  # in eval (stats None), with the running statistics
+        t.input, t.weight, t.bias, stats=stats, running_mean=t.running_mean, running_var=t.running_var,
+        num_batches_tracked=t.num_batches_tracked, momentum=settings.momentum, eps=settings.eps,
+        residual=t.residual, activation=settings.activation, negative_slope=settings.negative_slope,
+        save_stats=save_stats, mask=t.mask,
+    )  # fmt: skip
+    return y, mean, invstd, stats
+
+
+def backward_pass(backend, settings, grad_out, saved: Saved, needs):
+    """The backward pass over ``backend``'s launchers: ``(dx, dweight, dbias, dresidual)``, ``None`` if not asked.
+
+    ``needs`` is ``(input, weight, bias, residual)``: which gradients are asked for. Training: local reductions
+    of ``dz``, the one all-reduce of ``[sum dz | sum dz*xhat]`` (only when the input needs a gradient), then dx
+    and the residual's gradient in one pass. Eval: dx = dz * invstd * weight. ``saved.residual`` /
+    ``saved.output`` are what the fused activation's gradient is read from (see the module docstring).
+    ``saved.mask``: as in :func:`forward_pass`; both gradients are 0 at padded positions, and the sums cover
+    the real ones.
+    """
+    s = saved
+    input_grad, weight_grad, bias_grad, residual_grad = needs
+    training, group, activation, slope = settings.training, settings.group, settings.activation, settings.negative_slope
+    if training and group is not None and debug_enabled():
+        check_signature(group, "backward", signature(s.x, True, input_grad), name=settings.name)
+    local = backend.local  # the PyTorch backend's local path; None for the kernels
+    if local is not None and synchronizes_with_nobody(settings, s.residual, s.mask):
+        if not residual_grad and s.x.numel():  # torch's kernels divide by the count: an empty input's are packed
+            return local.backward(grad_out, s.x, s.weight, s.mean, s.invstd, input_grad, weight_grad, bias_grad)
+    sums = dx = dw = db = dr = None
+    if weight_grad or bias_grad or (input_grad and training):
+        sums, dw, db = backend.batch_norm_backward_reduce(
+            grad_out,
+            s.x,
+            s.mean,
+            s.invstd,
+            s.weight,
+            weight_grad=weight_grad,
+            bias_grad=bias_grad,
+            bias=s.bias,
+            activation=activation,
+            negative_slope=slope,
+            residual=s.residual,
+            output=s.output,
+            mask=s.mask,
+        )
+    if input_grad or residual_grad:
+        if input_grad and training and group is not None:
+            all_reduce_sum(sums, group)
+        if residual_grad:
+            dr = torch.empty_like(s.x)
+        dx = backend.batch_norm_backward_elemt(
+            grad_out,
+            s.x,
+            s.mean,
+            s.invstd,
+            s.weight,
+            sums if training else None,
+            s.stats[-1:] if training else None,
+            bias=s.bias,
+            activation=activation,
+            negative_slope=slope,
+            residual=s.residual,
+            output=s.output,
+            input_grad=input_grad,
+            out_grad_residual=dr,
+            mask=s.mask,
+        )
+    return dx, dw, db, dr
