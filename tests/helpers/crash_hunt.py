@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 
 DEVICE = os.environ.get("TRITONBN_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
@@ -34,6 +35,8 @@ from oracle import make_layout  # noqa: E402
 import tritonbn  # noqa: E402
 
 install()
+# An integer division by zero in a kernel's index math: numpy warns under the interpreter (and a CPU would trap)
+warnings.filterwarnings("error", message="divide by zero", category=RuntimeWarning)
 if DEVICE != "cpu":
     torch.set_default_device(DEVICE)
 
