@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonbn._checks import ACCUMULATE_EAGER_ONLY, check_call, mask_from_lengths, signature
+from tritonbn._checks import ACCUMULATE_EAGER_ONLY, check_call, check_traced_call, mask_from_lengths, signature
 from tritonbn._compat import forward_ad_active, functorch_transforms_active
 from tritonbn._custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD, group_name
 from tritonbn._eager import apply_eager, is_eager, params_need_grad
@@ -83,9 +83,12 @@ def run(
     checking = debug_group is not None and not compiling and debug_enabled()
     grad_mode = torch.is_grad_enabled()
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
+    # THE export hook (taken after the checks): torch.export, ONNX, jit.trace record torch's own ops
+    how = exporter(compiling)
+    checks = check_traced_call if how is not None and not compiling else check_call  # jit.trace: sizes are traced
     try:
-        check_call(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features,
-                   mask)  # fmt: skip
+        checks(layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features,
+               mask)  # fmt: skip
     except (ValueError, TypeError) as error:
         if checking:  # every rank stops here, instead of the others waiting in the next collective
             check_signature(debug_group, "forward", signature(input, training, input_grad), local_error=error,
@@ -93,7 +96,6 @@ def run(
         raise
     if checking:
         check_signature(debug_group, "forward", signature(input, training, input_grad), name=layer.name)
-    how = exporter(compiling)  # THE export hook: torch.export, ONNX, jit.trace record torch's own ops
     if how is not None:
         return lowered(how, layer, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
                        stats_sink, mask)  # fmt: skip
