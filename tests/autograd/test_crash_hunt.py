@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "helpers" / "crash_hunt.py"
 CASE_TIMEOUT_S = 60  # one case takes well under a second; longer is a hang
-BATCH = 80  # cases per child process
+BATCH = 64  # cases per child process
 BATCHES = 3  # per backend
 
 
