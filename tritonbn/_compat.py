@@ -9,6 +9,8 @@ Triton when called, so ``import tritonbn`` works without it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.autograd import forward_ad as _forward_ad
@@ -39,6 +41,21 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     ``lengths`` on a GPU): ``aten._assert_async.msg``, a device-side assertion on CUDA, a ``RuntimeError``
     with ``message`` on CPU. Read in torch 2.8 to 2.13. No public equivalent."""
     torch.ops.aten._assert_async.msg(condition, message)
+
+
+@contextlib.contextmanager
+def tracer_paused():
+    """Pause ``torch.jit.trace``'s tracer (also the TorchScript ONNX exporter's) for the body: tensor sizes read there
+    are Python ints, and nothing is recorded. The argument checks run so on the example input, as in eager, where
+    traced sizes would make every comparison warn (``TracerWarning``) that it becomes a constant of the trace.
+    ``torch._C._get_tracing_state`` / ``_set_tracing_state``, read in torch 2.13. No public equivalent
+    (``torch.jit.is_tracing()`` only reads the state)."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 # --- torch.distributed ----------------------------------------------------------------------------

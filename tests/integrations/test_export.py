@@ -179,6 +179,60 @@ def test_jit_trace_records_aten_batch_norm(monkeypatch):
     _check(traced(x5), net, x5, monkeypatch, "jit.trace")
 
 
+def _conv_bn_relu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5), nn.ReLU())
+    with torch.no_grad():
+        model(torch.randn(4, 3, 5, 7))  # running statistics that moved
+    return model.eval()
+
+
+class _Call(nn.Module):
+    """A layer called with positional inputs (residual included): the root module of a TorchScript ONNX export
+    gets every parameter of its forward positionally, keyword-only ones too."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, residual=None):
+        return self.layer(x, residual)
+
+
+@pytest.mark.parametrize("model", ["conv-bn-relu", "residual-and-activations"])
+@pytest.mark.parametrize("tracer", ["jit.trace", "onnx-torchscript-exporter"])
+def test_tracing_prints_no_tracer_warning(model, tracer, monkeypatch, tmp_path):
+    """jit.trace and the TorchScript ONNX exporter (dynamo=False) of converted models in eval: no TracerWarning, as
+    for the unconverted model. tritonbn's argument checks compare the example input's sizes as Python ints (the
+    tracer paused: tritonbn._checks.check_traced_call), not traced values; and they still raise while tracing."""
+    pytest.importorskip("onnx", reason="the test extra installs onnx")
+    original = _conv_bn_relu()
+    net = tritonbn.convert_sync_batchnorm(copy.deepcopy(original)) if model == "conv-bn-relu" else _trained()
+    x = _input(3)
+
+    def trace(m, *args):
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", torch.jit.TracerWarning)
+            if tracer == "jit.trace":
+                return torch.jit.trace(m, args)
+            torch.onnx.export(m, args, str(tmp_path / "m.onnx"), dynamo=False)
+            return None
+
+    trace(original, x)  # the unconverted model prints none: what the converted one must match
+    traced = trace(net, x)
+    if traced is not None:
+        x5 = _input(5, seed=2)
+        if model == "conv-bn-relu":
+            torch.testing.assert_close(traced(x5), original(x5), atol=ATOL, rtol=RTOL)
+        else:
+            _check(traced(x5), net, x5, monkeypatch, "jit.trace")
+    layer = _Call(tritonbn.SyncBatchNorm(5, activation="relu").eval())
+    with pytest.raises(ValueError, match=r"input has 4 channels \(dim 1\), but num_features=5"):
+        trace(layer, torch.randn(2, 4, 3))  # the checks run while tracing
+    with pytest.raises(ValueError, match="residual must have the input's shape"):
+        trace(layer, torch.randn(2, 5, 3), torch.randn(2, 5, 1))  # (the add it records would broadcast)
+
+
 def test_jit_script_error_names_tritonbn_and_the_way_out(monkeypatch):
     """jit.script refuses tritonbn layers with an error naming tritonbn; the folded model scripts and matches."""
     net = _trained()

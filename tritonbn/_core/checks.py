@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonbn._compat import assert_on_device
+from tritonbn._compat import assert_on_device, tracer_paused
 from tritonbn._numerics import FLOAT_DTYPES
 from tritonbn.activations import check_activation
 
@@ -154,3 +154,14 @@ def check_call(settings, operands, num_features: int | None = None) -> None:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(t.input.shape)}")
     if training and settings.momentum is None and t.running_mean is not None and t.num_batches_tracked is None:
         raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
+
+
+def check_traced_call(*args) -> None:
+    """:func:`check_call` under ``torch.jit.trace`` (and the TorchScript ONNX exporter, which traces with it).
+
+    There sizes are traced values, and each comparison of one would warn (``TracerWarning``) that it becomes a
+    constant of the trace. The checks are no data flow of the model: they run with the tracer paused, on the example
+    input's sizes as Python ints (static checks, as in eager: a wrong call raises while tracing), and record nothing.
+    """
+    with tracer_paused():
+        check_call(*args)

@@ -21,7 +21,7 @@ import torch
 
 from tritonbn._compat import dispatch_stack_len, forward_ad_active, functorch_transforms_active
 from tritonbn._core.call import LayerSettings, in_backward, synchronizes_with_nobody
-from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call
+from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call, check_traced_call
 from tritonbn._core.custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD
 from tritonbn._core.eager import apply_eager
 from tritonbn._core.lowering import exporter, lowered
@@ -67,8 +67,12 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     checking = settings.debug_group is not None and not compiling and debug_enabled()
     grad_mode = torch.is_grad_enabled()
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
+    how = exporter(compiling)  # THE export hook (taken after the checks): torch.export, ONNX, jit.trace
     try:
-        check_call(settings, t, num_features)
+        if how is None or compiling:
+            check_call(settings, t, num_features)
+        else:  # jit.trace: sizes are traced values; the checks run on the example's, with the tracer paused
+            check_traced_call(settings, t, num_features)
     except (ValueError, TypeError) as error:
         if checking:  # every rank stops here, instead of the others waiting in the next collective
             fields = signature(input, settings.training, input_grad)
@@ -78,8 +82,7 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
         check_signature(
             settings.debug_group, "forward", signature(input, settings.training, input_grad), name=settings.name
         )
-    how = exporter(compiling)  # THE export hook: torch.export, ONNX, jit.trace record torch's own ops
-    if how is not None:
+    if how is not None:  # torch.export, ONNX, jit.trace record torch's own ops
         return lowered(how, settings, t)
     if compiling or not is_eager(input):
         if t.sink is not None:

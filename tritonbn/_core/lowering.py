@@ -31,11 +31,6 @@ from torch import nn
 
 from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY
 
-# Under torch.jit.trace (and the ONNX exporter that uses it) sizes are traced values, so the argument
-# checks warn that their comparisons become constants. They are meant to: they check a call, and a
-# wrong one raises while tracing.
-warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"tritonbn\._core\.(checks|dispatch)")
-
 
 def exporter(compiling: bool) -> str | None:
     """The exporting tracer this call runs under (a name for messages), or ``None``: run as usual.

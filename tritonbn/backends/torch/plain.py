@@ -322,7 +322,9 @@ def batch_norm_backward_elemt(
     if not input_grad:
         return None
     if sums is None:
-        if dz.dtype == x.dtype:  # native_batch_norm_backward in eval mode: dz * weight / sqrt(var + eps), one pass
+        # native_batch_norm_backward in eval mode: dz * weight / sqrt(var + eps), one pass. Not on an empty x: torch's
+        # CPU kernels divide by its batch size (SIGFPE at N = 0); torch.mul below gives its empty gradient
+        if dz.dtype == x.dtype and x.numel():
             zeros, ones = _constants_for(x.shape[1], acc, x.device)[:2]
             dx = _aten.native_batch_norm_backward(
                 dz, x, scale, zeros, ones, None, None, False, 0.0, [True, False, False]

@@ -269,6 +269,8 @@ def _plan_cached(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...
     # The outermost real dim is o0, which the kernels get without a division; unused dims have size 1.
     outer_dims = outer_dims + [(1, [0] * len(all_strides))] * (3 - len(outer_dims))
     (o0, s0), (o1, s1), (o2, s2) = outer_dims
+    if o1 == 0 or o2 == 0:  # nothing to reduce: the kernels' index math (_common.tile_offsets) divides by o1 and o2,
+        o0, o1, o2 = 0, 1, 1  # even for the tile they prefetch before a loop of no tiles; o0 is never divided by
     outer = o0 * o1 * o2
     strides = tuple((st[1], s0[k], s1[k], s2[k], inner_strides[k]) for k, st in enumerate(all_strides))
 
