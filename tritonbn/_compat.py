@@ -31,6 +31,21 @@ functorch_transforms_active = torch._C._are_functorch_transforms_active
 dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 
+def torch_function_subclass(t) -> bool:
+    """Whether ``t`` is a tensor subclass that works at the ``__torch_function__`` level only (as MONAI's
+    MetaTensor): its own ``__torch_function__`` (not disabled, as ``nn.Parameter``'s is) and no
+    ``__torch_dispatch__`` (FakeTensor, FunctionalTensor and DTensor have one: they trace the custom ops).
+    ``torch._C._disabled_torch_function_impl`` / ``_disabled_torch_dispatch_impl``, read in torch 2.8 to 2.13.
+    No public equivalent (``torch.overrides.has_torch_function`` is also true under a dispatch subclass)."""
+    cls = type(t)
+    return (
+        cls is not torch.Tensor
+        and isinstance(t, torch.Tensor)
+        and cls.__torch_function__ is not torch._C._disabled_torch_function_impl
+        and cls.__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl
+    )
+
+
 def forward_ad_active() -> bool:
     """Whether forward-mode AD (``torch.autograd.forward_ad.dual_level``) is on: its private level counter."""
     return _forward_ad._current_level >= 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import handle_torch_function, has_torch_function
 
 from tritonbn._core.call import Operands, settings_for
 from tritonbn._core.checks import mask_from_lengths
@@ -57,6 +58,14 @@ def sync_batch_norm(
     (``(N,)`` integers, a tensor or a sequence) builds the mask: position ``l`` of item ``i`` is real when
     ``l < lengths[i]``.
     """
+    if type(input) is not torch.Tensor:  # torch's protocol for tensor subclasses, as F.batch_norm follows it
+        tensors = (input, running_mean, running_var, weight, bias, num_batches_tracked, residual, mask)
+        if has_torch_function(tensors):
+            return handle_torch_function(
+                sync_batch_norm, tensors, input, running_mean, running_var, weight, bias, training, momentum, eps,
+                process_group, num_batches_tracked=num_batches_tracked, residual=residual, activation=activation,
+                negative_slope=negative_slope, mask=mask, lengths=lengths,
+            )  # fmt: skip
     if lengths is not None:
         mask = mask_from_lengths(input, lengths, mask)
     group = resolve_group(process_group) if training else None

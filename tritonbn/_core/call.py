@@ -83,6 +83,11 @@ class Operands:
     mask: torch.Tensor | None = None
     sink: torch.Tensor | None = None
 
+    def tensors(self) -> tuple:
+        """Every field, in order (``None`` where a tensor is not given)."""
+        return (self.input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
+                self.residual, self.mask, self.sink)  # fmt: skip
+
     def without_running_stats(self) -> Operands:
         """The same call, updating no running statistics (a forward inside backward: a checkpoint recompute)."""
         return Operands(self.input, self.weight, self.bias, None, None, None, self.residual, self.mask, self.sink)

@@ -18,9 +18,15 @@ once per module) and its :class:`~tritonbn._core.call.Operands`.
 from __future__ import annotations
 
 import torch
+from torch.overrides import handle_torch_function, has_torch_function
 
-from tritonbn._compat import dispatch_stack_len, forward_ad_active, functorch_transforms_active
-from tritonbn._core.call import LayerSettings, in_backward, synchronizes_with_nobody
+from tritonbn._compat import (
+    dispatch_stack_len,
+    forward_ad_active,
+    functorch_transforms_active,
+    torch_function_subclass,
+)
+from tritonbn._core.call import LayerSettings, Operands, in_backward, synchronizes_with_nobody
 from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call, check_traced_call
 from tritonbn._core.custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD
 from tritonbn._core.eager import apply_eager
@@ -63,6 +69,12 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     """
     t = operands
     input = t.input
+    if type(input) is not torch.Tensor:  # the one test the ordinary path pays for tensor subclasses
+        tensors = t.tensors()
+        if has_torch_function(tensors):  # an input with __torch_function__: torch's protocol, as F.batch_norm
+            return handle_torch_function(normalize, tensors, *tensors, settings=settings, num_features=num_features)
+        t = _plain(t)
+        input = t.input
     compiling = torch.compiler.is_compiling()
     checking = settings.debug_group is not None and not compiling and debug_enabled()
     grad_mode = torch.is_grad_enabled()
@@ -113,3 +125,24 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
                 return y
         return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)
     return forward_pass(backend, settings, t, save_stats=False)[0]
+
+
+@torch.compiler.disable  # under torch.compile a subclass call runs eagerly, as a graph break (see below)
+def normalize(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink, *, settings,
+              num_features=None):  # fmt: skip
+    """:func:`run` over loose tensors: what a tensor subclass's ``__torch_function__`` is handed (the input first,
+    as ``F.batch_norm`` hands it), and calls back with torch functions disabled for subclasses.
+
+    Under ``torch.compile`` it runs uncompiled: dynamo's tracing of a ``__torch_function__`` subclass around it
+    leaves the rest of the call half traced (torch's own ``nn.BatchNorm2d`` does not compile such an input either),
+    so the compiled graph breaks here and this call runs the eager path on plain tensors.
+    """
+    operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink)
+    return run(settings, operands, num_features)
+
+
+def _plain(operands: Operands) -> Operands:
+    """The operands with every ``__torch_function__`` subclass viewed as a plain tensor (``as_subclass``: the same
+    data, attached to the same autograd graph), so that the Functions and kernels never see a subclass. Subclasses
+    at the dispatch level (FakeTensor, FunctionalTensor) stay: the custom ops trace them."""
+    return Operands(*(t.as_subclass(torch.Tensor) if torch_function_subclass(t) else t for t in operands.tensors()))
