@@ -79,7 +79,7 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     checking = settings.debug_group is not None and not compiling and debug_enabled()
     grad_mode = torch.is_grad_enabled()
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
-    how = exporter(compiling)  # THE export hook (taken after the checks): torch.export, ONNX, jit.trace
+    how = exporter(compiling)  # THE export hook: the tracer recording this call, if any (it also picks the checks)
     try:
         if how is None or compiling:
             check_call(settings, t, num_features)
