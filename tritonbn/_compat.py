@@ -63,7 +63,7 @@ def tracer_paused():
     """Pause ``torch.jit.trace``'s tracer (also the TorchScript ONNX exporter's) for the body: tensor sizes read there
     are Python ints, and nothing is recorded. The argument checks run so on the example input, as in eager, where
     traced sizes would make every comparison warn (``TracerWarning``) that it becomes a constant of the trace.
-    ``torch._C._get_tracing_state`` / ``_set_tracing_state``, read in torch 2.13. No public equivalent
+    ``torch._C._get_tracing_state`` / ``_set_tracing_state``, present in torch 2.8 to 2.13. No public equivalent
     (``torch.jit.is_tracing()`` only reads the state)."""
     state = torch._C._get_tracing_state()
     torch._C._set_tracing_state(None)
