@@ -56,8 +56,8 @@ def exporting() -> bool:
     2.11 fold it to the constant True whenever dynamo traces (``tracing_state_functions`` in
     torch/_dynamo/variables/torch.py), under ``torch.compile`` too; 2.12 and 2.13 read the flag there. Checked on
     torch 2.8, 2.9, 2.10, 2.11, 2.12 and 2.13: false under ``torch.compile``, true under strict and non-strict
-    export; ONNX's dynamo exporter calls ``torch.export.export``. Public fallback, where the flag disappears:
-    ``torch.compiler.is_exporting()``.
+    export, and under ``torch.onnx.export(dynamo=True)`` (2.8, 2.11 and 2.13; it calls ``torch.export.export``).
+    Public fallback, where the flag disappears: ``torch.compiler.is_exporting()``.
     """
     if _exporting_flag_known:
         return torch.compiler._is_exporting_flag
