@@ -13,7 +13,7 @@ root=${COMPAT_VENVS:-/tmp/tritonbn-compat}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(2.8.0 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0)
 echo "| torch | Triton | NumPy | import | PyTorch backend | kernels, interpreter | compiled for sm_90 \
-| direct launch (fake driver) | 2-rank sync, interpreter | \`torch.compile\` (aot_eager) |"
+| direct launch (fake driver) | 2-rank sync, interpreter | \`torch.compile\` (fullgraph, training) |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 failed=0
 for v in "${versions[@]}"; do

@@ -16,7 +16,11 @@ statistics must agree. Columns:
   (``tests/helpers/launch_check.py``: no mismatch, and launches taking the direct path);
 * ``sync2``: two gloo ranks under the interpreter, each with half of the batch, against the oracle on the
   whole batch (outputs, input gradients, all-reduced weight and bias gradients);
-* ``compile``: ``torch.compile(backend="aot_eager")`` of the converted model under the interpreter.
+* ``compile``: ``torch.compile(fullgraph=True)`` of the converted model, trained one step at world size 1 (no
+  process group) and evaluated, on the PyTorch backend and on the kernels under the interpreter: a backend
+  that records the FX graphs, then runs ``aot_eager``, must find tritonbn's custom op
+  (``tritonbn::batch_norm_forward``) in the training graph and no other ``batch_norm``, and a tritonbn warning
+  (such as the one an export in training gives) is an error. A compile taken for an export fails it (issue 40).
 
 Exits 1 when a column fails.
 """
@@ -34,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLUMNS = ("import", "torch", "interpreter", "aot", "direct", "sync2", "compile")
 TITLES = {"import": "import", "torch": "PyTorch backend", "interpreter": "kernels, interpreter",
           "aot": "compiled for sm_90", "direct": "direct launch (fake driver)", "sync2": "2-rank sync, interpreter",
-          "compile": "`torch.compile` (aot_eager)"}  # fmt: skip
+          "compile": "`torch.compile` (fullgraph, training)"}  # fmt: skip
 ENVS = {"torch": {"TRITONBN_BACKEND": "torch", "TRITON_INTERPRET": "0"},
         "interpreter": {"TRITONBN_BACKEND": "triton", "TRITON_INTERPRET": "1"},
         "sync2": {"TRITONBN_BACKEND": "triton", "TRITON_INTERPRET": "1"},
@@ -66,12 +70,15 @@ def _models():
     return reference, model
 
 
-def train_and_eval(compile_model: bool = False) -> None:
-    """One SGD step and an eval forward of the converted model beside the reference (float64)."""
+def train_and_eval(compile_backend=None) -> None:
+    """One SGD step and an eval forward of the converted model beside the reference (float64).
+
+    ``compile_backend``: run the converted model through ``torch.compile(fullgraph=True)`` with that backend.
+    """
     import torch
 
     reference, model = _models()
-    run = torch.compile(model, backend="aot_eager") if compile_model else model
+    run = torch.compile(model, backend=compile_backend, fullgraph=True) if compile_backend is not None else model
     x = torch.randn(4, 3, 6, 5, dtype=torch.float64)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
     outs = []
@@ -92,6 +99,44 @@ def train_and_eval(compile_model: bool = False) -> None:
     run.eval()
     with torch.no_grad():
         _close("eval output", run(x), reference(x))
+
+
+def _target_name(target) -> str:
+    """An FX node's target by name: ``tritonbn.batch_norm_forward`` (an op), ``torch.nn.functional.batch_norm``."""
+    if type(target).__module__ == "torch._ops" or not hasattr(target, "__name__"):  # ops and higher-order ops
+        return str(target)
+    return f"{getattr(target, '__module__', None) or ''}.{getattr(target, '__qualname__', target.__name__)}"
+
+
+def compiled_train_and_eval() -> None:
+    """The ``compile`` column: a fullgraph compile in training at world size 1 keeps tritonbn's path, on both backends.
+
+    Run with ``TRITON_INTERPRET=1``: ``TRITONBN_BACKEND`` is read on every call, so one process runs both.
+    """
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert not (dist.is_available() and dist.is_initialized()), "the column runs at world size 1, with no group"
+    warnings.filterwarnings("error", message="tritonbn")  # e.g. "... becomes torch's batch_norm when exported"
+    for backend in ("torch", "triton"):
+        os.environ["TRITONBN_BACKEND"] = backend
+        torch._dynamo.reset()
+        graphs = []
+
+        def record(gm, example_inputs, graphs=graphs):
+            modules = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]  # nested: autograd.Function
+            graphs.append([_target_name(n.target) for m in modules for n in m.graph.nodes if n.op == "call_function"])
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        train_and_eval(compile_backend=record)
+        assert graphs, f"{backend}: torch.compile traced no graph"
+        training = graphs[0]  # the first call is in training; the eval call recompiles
+        assert "tritonbn.batch_norm_forward" in training, f"{backend}: tritonbn's op is not in the graph: {training}"
+        other = sorted({t for g in graphs for t in g if "batch_norm" in t and not t.startswith("tritonbn.")})
+        assert not other, f"{backend}: the compiled graph holds {other}: the call was lowered as for an export"
 
 
 def _rank(rank: int, world: int, x, dy) -> None:
@@ -150,7 +195,7 @@ def run_column(name: str) -> None:
         want = "torch" if name == "torch" else "triton"
         assert tritonbn.backend.name_for(x) == want, tritonbn.backend.name_for(x)
     elif name == "compile":
-        train_and_eval(compile_model=True)
+        compiled_train_and_eval()
     elif name == "sync2":
         sync2()
     else:
@@ -196,7 +241,15 @@ def main(argv=None) -> int:
     parser.add_argument("--in-process", metavar="COLUMN", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.in_process:
-        run_column(args.in_process)
+        try:
+            run_column(args.in_process)
+        except Exception as error:  # the traceback, then one line for the table: the error's first line
+            import traceback
+
+            traceback.print_exc()
+            first = (str(error).strip().splitlines() or [""])[0]
+            print(f"{type(error).__name__}: {first}", file=sys.stderr)
+            return 1
         return 0
     import importlib.metadata as md
 

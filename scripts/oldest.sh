@@ -2,8 +2,9 @@
 # CI's second job: the oldest supported pair, torch 2.8.0 with the Triton it pins (3.4.0), in its own virtual
 # environment (docs/contributing.md, "The oldest pair"). It runs what a user on that pair first does:
 # import, a converted model trained one step and evaluated on the PyTorch backend and on the kernels under
-# the interpreter, two gloo ranks synchronized, the direct launch over a fake driver, and the quick AOT
-# compile for sm_90 (scripts/compat_smoke.py; each column against torch's batch_norm in float64).
+# the interpreter, two gloo ranks synchronized, the direct launch over a fake driver, the quick AOT
+# compile for sm_90, and torch.compile(fullgraph=True) in training at world size 1, which must keep
+# tritonbn's custom op (scripts/compat_smoke.py; each column against torch's batch_norm in float64).
 #
 # OLDEST_VENV (default .venv-oldest) is made when missing; torch comes from the package index (a CUDA build
 # of about 3 GB that runs on CPU), with the NumPy pip picks. OLDEST_TORCH overrides the version.
@@ -16,5 +17,5 @@ start=$SECONDS
 "$venv/bin/python" -m pip install --quiet "$torch_spec" numpy
 "$venv/bin/python" -m pip install --quiet --no-deps -e .
 echo "oldest pair: set up in $((SECONDS - start)) s"
-"$venv/bin/python" scripts/compat_smoke.py --columns import,torch,interpreter,sync2,direct,aot
+"$venv/bin/python" scripts/compat_smoke.py --columns import,torch,interpreter,sync2,direct,aot,compile
 echo "oldest pair: done in $((SECONDS - start)) s"

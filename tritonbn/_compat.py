@@ -73,6 +73,32 @@ def tracer_paused():
         torch._C._set_tracing_state(state)
 
 
+# --- torch.export -----------------------------------------------------------------------------------
+
+
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing this call, not ``torch.compile``: strict and non-strict export, and so
+    ``torch.onnx.export(dynamo=True)`` and AOTInductor, which go through it.
+
+    ``torch.compiler._is_exporting_flag``: ``torch._export.utils._compiling_state_context`` sets it around strict
+    export's dynamo trace and non-strict export's make_fx trace (torch/export/_trace.py, torch/_dynamo/eval_frame.py),
+    and ``torch.compile`` never does. Dynamo reads a module's bool attribute as a constant with a guard (a change of
+    the flag recompiles), so inside a traced graph this is the flag's value at trace time. The public
+    ``torch.compiler.is_exporting()`` returns the same flag in eager code, but dynamo does not call it: torch 2.8 to
+    2.11 fold it to the constant True whenever dynamo traces (``tracing_state_functions`` in
+    torch/_dynamo/variables/torch.py), under ``torch.compile`` too; 2.12 and 2.13 read the flag there. Checked on
+    torch 2.8, 2.9, 2.10, 2.11, 2.12 and 2.13: false under ``torch.compile``, true under strict and non-strict
+    export, and under ``torch.onnx.export(dynamo=True)`` (2.8, 2.11 and 2.13; it calls ``torch.export.export``).
+    Public fallback, where the flag disappears: ``torch.compiler.is_exporting()``.
+    """
+    if _exporting_flag_known:
+        return torch.compiler._is_exporting_flag
+    return torch.compiler.is_exporting()
+
+
+_exporting_flag_known = hasattr(torch.compiler, "_is_exporting_flag")
+
+
 # --- torch.distributed ----------------------------------------------------------------------------
 
 

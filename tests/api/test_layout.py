@@ -197,7 +197,8 @@ def test_data_path_imports_nothing_from_cli_or_integrations():
 
 # Private torch and Triton attributes and modules, read in _compat.py alone.
 _PRIVATE_ATTRS = {"_C", "_current_level", "_resolve_process_group", "_init_handles", "packed_metadata",
-                  "_cuda_getCurrentRawStream", "launch_enter_hook", "launch_exit_hook"}  # fmt: skip
+                  "_cuda_getCurrentRawStream", "launch_enter_hook", "launch_exit_hook",
+                  "_is_exporting_flag"}  # fmt: skip
 _PRIVATE_IMPORTS = ("triton.knobs", "triton.runtime.driver", "torch.distributed.distributed_c10d",
                     "torch.autograd.forward_ad")  # fmt: skip
 

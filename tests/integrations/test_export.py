@@ -8,6 +8,7 @@ exported graphs are the same for both backends (they hold torch's own ops), so e
 from __future__ import annotations
 
 import copy
+import importlib.util
 import warnings
 import zipfile
 
@@ -19,6 +20,7 @@ from torch import nn
 from torch.export import Dim
 
 import tritonbn
+from tritonbn import _compat
 from tritonbn import backend as _backend
 from tritonbn.modules import SyncBatchNormAct
 
@@ -272,6 +274,78 @@ def test_training_mode_export_normalizes_the_local_batch(strict, backend_name):
     F.batch_norm(x1, rm, rv, None, None, True, 0.1, 1e-5)
     torch.testing.assert_close(state["bn1.running_mean"].double(), rm, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(state["bn1.running_var"].double(), rv, atol=ATOL, rtol=RTOL)
+
+
+class _Exporting(nn.Module):
+    """Doubles its input where :func:`tritonbn._compat.exporting` says export is tracing, triples it otherwise."""
+
+    def forward(self, x):
+        return x * 2 if _compat.exporting() else x * 3
+
+
+def test_exporting_tells_export_from_compile():
+    """The signal, as the tracers see it: false in eager and under torch.compile, true under every export.
+
+    (torch.compiler.is_exporting() is true under torch.compile too on torch 2.8 to 2.11: dynamo folds it to True.)
+    """
+    x = torch.ones(2, 3)
+    assert not _compat.exporting()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(_Exporting(), fullgraph=True, backend="eager")(x), x * 3)
+    for strict in (False, True):
+        assert torch.equal(torch.export.export(_Exporting(), (x,), strict=strict).module()(x), x * 2), strict
+    if importlib.util.find_spec("onnxscript") is not None:  # the dynamo ONNX exporter goes through torch.export
+        onnx_program = torch.onnx.export(_Exporting(), (x,), dynamo=True, verbose=False)
+        assert torch.equal(onnx_program(x)[0], x * 2)
+    assert not _compat.exporting()
+
+
+def test_training_mode_compile_at_world_size_1_keeps_the_custom_ops_and_export_still_lowers(backend_name):
+    """Issue 40: torch.compile(fullgraph=True) in train() with no process group is not taken for an export.
+
+    The compiled graph holds tritonbn's ops and no torch batch_norm, nothing warns, and it computes what eager
+    does; torch.export (strict and non-strict) of the same model in train() then still records torch's
+    batch_norm, and a compile after them the custom ops again.
+    """
+    from torch._dynamo.backends.registry import lookup_backend
+
+    net, x = _trained().train(), _input(6, seed=3)
+    eager = copy.deepcopy(net)
+    weights = torch.randn(6, 7, 5, 7, generator=torch.Generator().manual_seed(4))  # y.sum() has a ~0 gradient
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([t for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for t in _targets(m.graph)])
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def compile_and_step(model):
+        torch._dynamo.reset()
+        graphs.clear()
+        with warnings.catch_warnings(record=True) as record_warnings:
+            warnings.simplefilter("always")
+            y = torch.compile(model, fullgraph=True, backend=record)(x)
+            (y * weights).sum().backward()
+        assert not [str(w.message) for w in record_warnings if str(w.message).startswith("tritonbn")]
+        (targets,) = graphs
+        assert targets.count("tritonbn.batch_norm_forward") == 4, targets
+        assert not [t for t in targets if "batch_norm" in t and not t.startswith("tritonbn.")], targets
+        return y
+
+    got = compile_and_step(net)
+    want = eager(x)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    for (name, a), b in zip(net.named_parameters(), eager.parameters(), strict=True):  # sums over the batch: 1e-4
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    for (name, a), b in zip(net.named_buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+    for strict in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the export's own warning: test_training_mode_export_normalizes...
+            ep = torch.export.export(copy.deepcopy(net), (x,), strict=strict)
+        assert not _tritonbn_ops(ep), strict
+        assert _targets(ep.graph).count("aten.batch_norm.default") == 4, (strict, _targets(ep.graph))
+    compile_and_step(copy.deepcopy(net))
 
 
 class _Group:

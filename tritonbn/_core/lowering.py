@@ -5,11 +5,11 @@ call (the one hook, marked there), and then hands it to :func:`lowered`: torch's
 epilogue as ``add`` and ``relu`` / ``leaky_relu`` / ``silu``. The tracers are told apart so:
 
 * ``torch.export`` (strict and non-strict, and so ``torch.onnx.export(dynamo=True)`` and
-  AOTInductor, which go through it): ``torch.compiler.is_exporting()``, the public flag that is
-  true under export and false under ``torch.compile``.
+  AOTInductor, which go through it): :func:`tritonbn._compat.exporting`, the flag export sets. (The public
+  ``torch.compiler.is_exporting()`` is true under ``torch.compile`` too on torch 2.8 to 2.11.)
 * ``torch.jit.trace`` and ``torch.onnx.export(dynamo=False)``, which traces with it:
   ``torch.jit.is_tracing()``; ``torch.onnx.is_in_onnx_export()`` only names the exporter in messages.
-* ``torch.compile`` (``torch.compiler.is_compiling()`` without ``is_exporting()``) keeps the
+* ``torch.compile`` (``torch.compiler.is_compiling()`` without ``exporting()``) keeps the
   custom ops: its speed comes from them. So do ``make_fx`` and other dispatch-mode tracers
   outside export: they are the machinery AOTAutograd builds on (``aot_module`` included), and
   there the custom ops carry the synchronization.
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonbn._compat import exporting
 from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY
 
 
@@ -39,9 +40,7 @@ def exporter(compiling: bool) -> str | None:
     under ``torch.compile`` and ``torch.export`` alike). Cheap on the eager path: one more flag read.
     """
     if compiling:
-        # Public since torch 2.6 (documented for 2.7 and later). Checked on 2.13: true in strict and non-strict
-        # export, false under torch.compile.
-        return "torch.export" if torch.compiler.is_exporting() else None
+        return "torch.export" if exporting() else None  # not torch.compiler.is_exporting(): see _compat.exporting
     if torch.jit.is_tracing():  # public (torch 2.8, 2.13); the TorchScript ONNX exporter traces with it
         return "torch.onnx.export" if torch.onnx.is_in_onnx_export() else "torch.jit.trace"
     return None
