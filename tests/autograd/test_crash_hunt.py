@@ -163,18 +163,17 @@ HUNT = settings(max_examples=BATCHES, deadline=None, derandomize=True, database=
                 phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
 
 
+def _hunt_on(backend: str) -> type:
+    class Hunt:
+        @HUNT
+        @given(st.lists(cases(backend), min_size=BATCH, max_size=BATCH).map(Batch))
+        @example(Batch(seeds(backend)))
+        def test_crash_hunt(self, batch):
+            hunt(batch)
+
+    return Hunt
+
+
 # One class per backend: under pytest-xdist's --dist loadscope the two run on different workers.
-class TestTorchBackend:
-    @HUNT
-    @given(st.lists(cases("torch"), min_size=BATCH, max_size=BATCH).map(Batch))
-    @example(Batch(seeds("torch")))
-    def test_crash_hunt(self, batch):
-        hunt(batch)
-
-
-class TestTritonBackend:
-    @HUNT
-    @given(st.lists(cases("triton"), min_size=BATCH, max_size=BATCH).map(Batch))
-    @example(Batch(seeds("triton")))
-    def test_crash_hunt(self, batch):
-        hunt(batch)
+TestTorchBackend = _hunt_on("torch")
+TestTritonBackend = _hunt_on("triton")

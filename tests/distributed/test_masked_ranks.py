@@ -12,9 +12,8 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from dist import backend_env, load_ranks, save_rank, spawn
+from dist import backend_env, count_all_reduces, load_ranks, save_rank, spawn
 from oracle import PARAM_GRAD_TOL, TOLERANCES, make_layout
 from torch import nn
 
@@ -59,14 +58,7 @@ def _bn():
 
 
 def _rank_cases(rank, world, out_dir):
-    calls = []
-    reduce = dist.all_reduce
-
-    def logged(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = logged
+    calls = count_all_reduces()
     results = {}
     for name in CASES:
         bn = _bn()

@@ -3,13 +3,10 @@ the global batch's, against the float64 oracle on the concatenated batch, with o
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from dist import backend_env, load_ranks, save_rank, spawn
+from dist import count_all_reduces, run_ranks, save_rank
 from meta_tensor import Meta
 from oracle import PARAM_GRAD_TOL, TOLERANCES
 
@@ -28,22 +25,15 @@ def _batch(rank):
 
 
 def _bn():
+    torch.manual_seed(3)  # the same parameters on every rank and in the oracle
     bn = tritonbn.SyncBatchNorm(C)
-    with torch.no_grad():
-        bn.weight.copy_(torch.linspace(0.5, 1.5, C))
-        bn.bias.copy_(torch.linspace(-1, 1, C))
+    torch.nn.init.uniform_(bn.weight, 0.5, 1.5)
+    torch.nn.init.normal_(bn.bias)
     return bn
 
 
 def _rank(rank, world, out_dir):
-    sizes = []
-    reduce = dist.all_reduce
-
-    def logged(tensor, *args, **kwargs):
-        sizes.append(tensor.numel())
-        return reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = logged
+    sizes = count_all_reduces()
     data, dy = _batch(rank)
     bn = _bn()
     x = Meta(data.clone(), {"rank": rank}).requires_grad_()
@@ -57,9 +47,7 @@ def _rank(rank, world, out_dir):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_global_statistics(backend):
-    with backend_env(backend), tempfile.TemporaryDirectory() as out_dir:
-        spawn(WORLD, _rank, out_dir)
-        seen = load_ranks(out_dir, WORLD)
+    seen = run_ranks(WORLD, _rank, backend)
     ref = _bn()
     x = torch.cat([_batch(r)[0] for r in range(WORLD)]).double().requires_grad_()
     dy = torch.cat([_batch(r)[1] for r in range(WORLD)]).double()
