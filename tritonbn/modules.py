@@ -202,7 +202,7 @@ class SyncBatchNorm(_BatchNorm):
             name=getattr(self, NAME, ""),
             batch_stats=batch_stats,
         )
-        if not batch_stats:
+        if not batch_stats and not torch.compiler.is_compiling():  # dynamo refuses the write inside a checkpoint
             self.__dict__[_CACHED] = settings
         return settings
 

@@ -64,7 +64,8 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     t = operands
     input = t.input
     compiling = torch.compiler.is_compiling()
-    checking = settings.debug_group is not None and not compiling and debug_enabled()
+    # Inside backward (a checkpoint's recompute) the pass that communicates checks: a recompute that replays does not.
+    checking = settings.debug_group is not None and not compiling and debug_enabled() and not in_backward()
     grad_mode = torch.is_grad_enabled()
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
     how = exporter(compiling)  # THE export hook (taken after the checks): torch.export, ONNX, jit.trace
@@ -112,4 +113,4 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
             if y is not None:
                 return y
         return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)
-    return forward_pass(backend, settings, t, save_stats=False)[0]
+    return forward_pass(backend, settings, t, save_stats=False, enclosing=True)[0]
