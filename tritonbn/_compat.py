@@ -143,6 +143,16 @@ else:
         return None
 
 
+def group_timeout(group, device: torch.device):
+    """The timeout ``group`` was made with (its backend's options for ``device``), for a group made from it to fail
+    as soon; ``None`` where it cannot be read. ``ProcessGroup._get_backend(device).options._timeout``, read in torch
+    2.8 and 2.13 (gloo and NCCL). No public equivalent."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 # --- torch.cuda -------------------------------------------------------------------------------------
 
 # The raw cudaStream_t of a device's current stream, without building a torch.cuda.Stream object (a
