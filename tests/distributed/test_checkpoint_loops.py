@@ -97,7 +97,7 @@ def _save_bn(ctx, op, *args, **kwargs):
 class Compiled(nn.Module):
     """A module whose forward checkpoints, compiled whole (``fullgraph``)."""
 
-    def __init__(self, net, reentrant=None):
+    def __init__(self, net):
         super().__init__()
         self.net = net
 
