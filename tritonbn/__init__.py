@@ -11,6 +11,7 @@
   repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
 * :func:`accumulate_stats`: one running-statistics update per optimizer step under gradient accumulation.
+* :func:`join`: ranks with different numbers of batches, as torch's ``Join`` (DDP's) with tritonbn's BatchNorms.
 * :mod:`tritonbn.lightning`: the Lightning plugin ``TritonSyncBatchNorm`` (imported on first use).
 * :mod:`tritonbn.mmengine`: ``"TritonSyncBN"`` for OpenMMLab configs (imported on first use).
 
@@ -27,6 +28,7 @@ from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.groups import syncbn_group
 from tritonbn.modules import SyncBatchNorm
 from tritonbn.running_stats import accumulate_stats, recalibrate_batchnorm, sync_running_stats
+from tritonbn.uneven import join
 
 try:
     __version__ = version("tritonbn")  # the one version source: pyproject.toml, through the installed metadata
@@ -53,6 +55,7 @@ __all__ = [
     "sync_running_stats",
     "recalibrate_batchnorm",
     "accumulate_stats",
+    "join",
     "diagnose",
     "__version__",
 ]

@@ -26,6 +26,16 @@ current_graph_task_id = torch._C._current_graph_task_id
 # only when none is. No public equivalent (torch._C._functorch.is_functorch_wrapped_tensor is per tensor).
 functorch_transforms_active = torch._C._are_functorch_transforms_active
 
+# The autograd node the engine is running (None outside backward): a forward inside backward that an autograd
+# Function's backward runs (use_reentrant=True checkpointing, a torch.compile'd graph's backward) runs under that
+# Function's node, the very ``ctx`` object its forward was given. Read in torch 2.8 and 2.13. No public equivalent.
+current_autograd_node = torch._C._current_autograd_node
+
+# This thread's autograd sequence number: every node made (every Function.apply, with or without grad) takes the
+# next one, so it stays the same through the forward of one Function (its node made first, nothing recorded under
+# its no-grad forward). torch.autograd._get_sequence_nr, read in torch 2.8 and 2.13. No public equivalent.
+sequence_nr = torch.autograd._get_sequence_nr
+
 # How many TorchDispatchModes are active (make_fx, FakeTensorMode, ...). Public fallback where it
 # disappears: torch.utils._python_dispatch._get_current_dispatch_mode() is not None (also private).
 dispatch_stack_len = torch._C._len_torch_dispatch_stack
@@ -49,6 +59,50 @@ def torch_function_subclass(t) -> bool:
 def forward_ad_active() -> bool:
     """Whether forward-mode AD (``torch.autograd.forward_ad.dual_level``) is on: its private level counter."""
     return _forward_ad._current_level >= 0
+
+
+def checkpoint_frame():
+    """``(frame, replaying)`` when torch.utils.checkpoint's non-reentrant form (``use_reentrant=False``, also behind
+    ``checkpoint_sequential`` and selective checkpointing) runs the current call: its ``_CheckpointFrame`` (one per
+    checkpointed call), ``replaying`` True in the recompute; else ``None``.
+
+    The first forward runs under the frame's ``_checkpoint_hook`` and the recompute under its
+    ``_recomputation_hook``, both ``saved_tensors_hooks`` whose pack hook closes over the frame (``frame``, or the
+    weak reference ``target_frame_ref``): read through ``torch._C._autograd._top_saved_tensors_default_hooks`` and
+    the closure cells, in torch 2.8 and 2.13 (2.13 wraps the recompute's pack hook in ``torch._dynamo.disable``,
+    unwrapped through ``__wrapped__``). Other saved-tensor hooks (``save_on_cpu``, other libraries') give ``None``.
+    No public equivalent.
+    """
+    hooks = _top_saved_tensors_hooks(False)
+    if hooks is None:
+        return None
+    pack = getattr(hooks[0], "__wrapped__", hooks[0])
+    where = getattr(pack, "__qualname__", "")
+    if not where.startswith(("_checkpoint_hook.", "_recomputation_hook.")) or pack.__closure__ is None:
+        return None
+    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__, strict=True))
+    if "frame" in cells:
+        return cells["frame"].cell_contents, False
+    if "target_frame_ref" in cells:
+        frame = cells["target_frame_ref"].cell_contents()
+        return (frame, True) if frame is not None else None
+    return None
+
+
+def function_of_ctx(ctx):
+    """The autograd Function class whose forward got ``ctx``, or ``None`` when ``ctx`` is no Function's context:
+    ``torch.autograd.function.BackwardCFunction`` and its ``_forward_cls`` (torch 2.8 to 2.13)."""
+    if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+        return getattr(type(ctx), "_forward_cls", None)
+    return None
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """``tensor._version``: autograd's count of in-place changes to ``tensor`` (documented in autograd's notes)."""
+    return tensor._version
+
+
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
 
 
 def assert_on_device(condition: torch.Tensor, message: str) -> None:
@@ -127,6 +181,16 @@ if dist.is_available():
 else:
 
     def default_group():
+        return None
+
+
+def group_timeout(group, device: torch.device):
+    """The timeout ``group`` was made with (its backend's options for ``device``), for a group made from it to fail
+    as soon; ``None`` where it cannot be read. ``ProcessGroup._get_backend(device).options._timeout``, read in torch
+    2.8 and 2.13 (gloo and NCCL). No public equivalent."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
         return None
 
 

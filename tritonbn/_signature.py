@@ -13,7 +13,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tritonbn.distributed import collective_device
+from tritonbn.distributed import Relay, collective_device
 
 
 def debug_enabled() -> bool:
@@ -46,6 +46,18 @@ class RemoteInputError(ValueError):
 
 _FIELDS = 6  # signature fields a call site may compare; the packed signature has a fixed size
 _calls: dict[str, int] = {}  # per process group: how many signature checks this rank has made
+_deferred: dict[str, BaseException] = {}  # per process group: an error for this rank's next check (defer_error)
+
+
+def _key(group) -> str:
+    return getattr(group, "group_name", None) or str(id(group))
+
+
+def defer_error(group, error: BaseException) -> None:
+    """Raise ``error`` at this rank's next signature check on ``group``, where every rank of it raises, instead of
+    now, where the others would wait for this rank in their next collective (a call that found the error without a
+    collective of its own: an activation-checkpointing recompute that does not replay its forward)."""
+    _deferred.setdefault(_key(group), error)
 
 
 def text_code(text: str) -> int:
@@ -74,7 +86,11 @@ def check_signature(
     """
     if len(fields) > _FIELDS:
         raise ValueError(f"check_signature compares at most {_FIELDS} fields, got {len(fields)}")
-    key = getattr(group, "group_name", None) or str(id(group))
+    if isinstance(group, Relay):  # inside tritonbn.join, whose joined ranks answer the layers' collectives alone
+        return
+    key = _key(group)
+    if local_error is None:
+        local_error = _deferred.pop(key, None)
     call = _calls.get(key, 0)
     _calls[key] = call + 1
     numbers = [call, text_code(where), text_code(name), *map(float, fields.values())]

@@ -26,10 +26,20 @@ def resolve_group(process_group=None):
 world = default_group
 
 
+class Relay:
+    """A group that sums in its own way: a layer's collectives inside :func:`tritonbn.join` (``tritonbn/uneven.py``)."""
+
+    def all_reduce_sum(self, buffer: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
 def all_reduce_sum(buffer: torch.Tensor, group) -> torch.Tensor:
     """Sum ``buffer`` in place over ``group`` (no-op when ``group`` is ``None``)."""
     if group is not None:
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        if isinstance(group, Relay):
+            group.all_reduce_sum(buffer)
+        else:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     return buffer
 
 

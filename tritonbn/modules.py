@@ -83,6 +83,8 @@ class SyncBatchNorm(_BatchNorm):
 
     # Set on the instance inside tritonbn.accumulate_stats. A plain attribute read, which dynamo guards.
     _tritonbn_accumulator = None
+    # Set on the instance inside tritonbn.join (tritonbn/uneven.py): the settings of its training calls there.
+    _tritonbn_join = None
 
     def __init__(
         self,
@@ -178,6 +180,9 @@ class SyncBatchNorm(_BatchNorm):
             num_batches_tracked = None
         else:
             num_batches_tracked = None
+        joining = self._tritonbn_join
+        if joining is not None and settings.group is not None:  # inside tritonbn.join: its group, its message
+            settings = joining(settings)
         # Inside tritonbn.accumulate_stats: where this call's global sums go instead of the running stats.
         accumulator = self._tritonbn_accumulator
         sink = accumulator(input) if accumulator is not None and self.training else None
@@ -202,7 +207,7 @@ class SyncBatchNorm(_BatchNorm):
             name=getattr(self, NAME, ""),
             batch_stats=batch_stats,
         )
-        if not batch_stats:
+        if not batch_stats and not torch.compiler.is_compiling():  # dynamo refuses the write inside a checkpoint
             self.__dict__[_CACHED] = settings
         return settings
 

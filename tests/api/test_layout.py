@@ -23,7 +23,7 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 PUBLIC = (
     "SyncBatchNorm convert_sync_batchnorm revert_sync_batchnorm syncbn_group sync_batch_norm"
     " fuse_batchnorm_activations fold_batchnorm sync_running_stats recalibrate_batchnorm accumulate_stats"
-    " diagnose __version__"
+    " join diagnose __version__"
 ).split()
 KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
            "batch_norm_backward_elemt"]  # fmt: skip
@@ -40,6 +40,7 @@ IMPORT_PATHS = [
     ("tritonbn.modules", "SyncBatchNorm"),
     ("tritonbn.convert", "convert_sync_batchnorm"),
     ("tritonbn.running_stats", "accumulate_stats"),
+    ("tritonbn.uneven", "join"),
     ("tritonbn.backend", "ops_for"),
     ("tritonbn.export", "fold_batchnorm"),
 ]
@@ -100,7 +101,8 @@ FLOORS = [
      "tritonbn._norm_layers"),
     ("tritonbn._core",),
     ("tritonbn.functional", "tritonbn.modules", "tritonbn.convert"),
-    ("tritonbn.fusion", "tritonbn.export", "tritonbn.diagnose", "tritonbn.running_stats", "tritonbn"),
+    ("tritonbn.fusion", "tritonbn.export", "tritonbn.diagnose", "tritonbn.running_stats", "tritonbn.uneven",
+     "tritonbn"),
     ("tritonbn.cli", "tritonbn.integrations", "tritonbn.lightning", "tritonbn.mmengine", "tritonbn.__main__"),
 ]  # fmt: skip
 

@@ -58,7 +58,7 @@ def batch_norm_forward(
     """
     settings = settings_of(training, momentum, eps, activation, negative_slope, group_name, name)
     operands = Operands(x, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask)
-    y, mean, invstd, stats = forward_pass(ops_for(x), settings, operands)
+    y, mean, invstd, stats = forward_pass(ops_for(x), settings, operands, enclosing=True)
     if stats is None:
         stats = x.new_empty(stats_shape(x.shape[1]), dtype=torch.float64)
     return y, mean, invstd, stats

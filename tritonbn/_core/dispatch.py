@@ -76,7 +76,8 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
         t = _plain(t)
         input = t.input
     compiling = torch.compiler.is_compiling()
-    checking = settings.debug_group is not None and not compiling and debug_enabled()
+    # Inside backward (a checkpoint's recompute) the pass that communicates checks: a recompute that replays does not.
+    checking = settings.debug_group is not None and not compiling and debug_enabled() and not in_backward()
     grad_mode = torch.is_grad_enabled()
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
     how = exporter(compiling)  # THE export hook: the tracer recording this call, if any (it also picks the checks)
@@ -124,7 +125,7 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
             if y is not None:
                 return y
         return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)
-    return forward_pass(backend, settings, t, save_stats=False)[0]
+    return forward_pass(backend, settings, t, save_stats=False, enclosing=True)[0]
 
 
 @torch.compiler.disable  # under torch.compile a subclass call runs eagerly, as a graph break (see below)

@@ -58,11 +58,12 @@ from __future__ import annotations
 import torch
 
 from tritonbn._core.call import Saved, in_backward, synchronizes_with_nobody
+from tritonbn._core.recompute import global_stats
 from tritonbn._signature import check_signature, debug_enabled, signature
 from tritonbn.distributed import all_reduce_sum
 
 
-def forward_pass(backend, settings, operands, save_stats=True):
+def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
     """The forward pass over ``backend``'s launchers: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
 
     Training: local stats, the one all-reduce over ``settings.group`` (``None``: no communication), then
@@ -71,6 +72,11 @@ def forward_pass(backend, settings, operands, save_stats=True):
     recompute) leaves the running statistics alone. ``save_stats=False`` (nothing will run backward) skips
     ``mean`` and ``invstd``.
 
+    An activation-checkpointing recompute of a call that synchronizes takes its first forward's global statistics
+    (:mod:`tritonbn._core.recompute`): no all-reduce, and no running statistics or sink updated. ``enclosing``: the
+    call may run inside another autograd Function's forward (a reentrant checkpoint's, a compiled graph's), where its
+    first forward keeps them.
+
     ``operands.sink`` (:func:`tritonbn.accumulate_stats`): a ``(2C + 1,)`` fp64 buffer that ``stats`` is added
     into, on the device, in place of the running-stat update. ``operands.mask`` (masked BatchNorm): a bool
     ``(N, *S)`` tensor, True at real positions; statistics and count cover those, and ``y`` is 0 at the others.
@@ -78,7 +84,8 @@ def forward_pass(backend, settings, operands, save_stats=True):
     t = operands
     stats = None
     if settings.training:
-        if in_backward():
+        backward = in_backward()
+        if backward:
             t = t.without_running_stats()
         local = backend.local  # the PyTorch backend's local path; None for the kernels
         if local is not None and synchronizes_with_nobody(settings, t.residual, t.mask):
@@ -86,9 +93,13 @@ def forward_pass(backend, settings, operands, save_stats=True):
             out = local.forward(settings, t.input, t.weight, t.bias, rm, rv, nbt, save_stats, t.sink)
             if out is not None:
                 return out
-        stats = backend.batch_norm_stats(t.input, mask=t.mask)
-        if settings.group is not None:
-            all_reduce_sum(stats, settings.group)
+        if settings.group is None:
+            stats = backend.batch_norm_stats(t.input, mask=t.mask)
+        else:  # the one all-reduce, or a recompute's copy of its first forward's result
+            stats, replayed = global_stats(backend, settings, t, backward, enclosing)
+            if replayed:
+                t = t.without_running_stats()
+                t.sink = None
         if t.sink is not None:  # tritonbn.accumulate_stats: pool the global sums, update nothing now
             t.sink.add_(stats)
             t = t.without_running_stats()
