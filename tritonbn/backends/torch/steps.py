@@ -99,6 +99,17 @@ def _activate_(z: torch.Tensor, activation: str | None, slope: float) -> torch.T
     return z
 
 
+def _act_backward(dy: torch.Tensor, t: torch.Tensor, activation: str, slope: float, is_result: bool) -> torch.Tensor:
+    """``dy * act'(z)`` in one native pass, read from ``t``: ``z`` itself, or (``is_result``) ``y = act(z)``, whose
+    sign gives act'(z) for relu and leaky_relu with a slope >= 0. These are the ops autograd records for relu,
+    leaky_relu and silu (``threshold_backward``, ``leaky_relu_backward``, ``silu_backward``): same bits."""
+    if activation == "relu":
+        return _aten.threshold_backward(dy, t, 0)
+    if activation == "leaky_relu":
+        return _aten.leaky_relu_backward(dy, t, slope, is_result)
+    return _aten.silu_backward(dy, t)
+
+
 def _grad_z(dy, xc, scale, bias, x, activation, slope, residual, output):
     """dz = dy * act'(z), z read from ``output`` (its sign) or recomputed; as the kernels do."""
     if activation is None:
