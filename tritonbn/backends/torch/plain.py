@@ -118,7 +118,7 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     p = _to(_first(x), acc)  # each channel's first element (x[0, :, 0, ...])
     if x.dtype == acc:
         d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
-        _shifted.entry = (x, _version(x), d)  # batch_norm_elemt writes y over d (see _take_shifted)
+        _hand_shifted(x, d, p)  # batch_norm_elemt writes y over d (see _take_shifted)
         # native_batch_norm_backward(dy=d, x=d, mean=0, invstd=1): S1 = sum(d), S2 = sum(d * d), one read of d
         s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
         s1, s2, p = torch.stack((s1, s2, p)).double().unbind()  # the shift comes off in fp64, as in the kernel
@@ -135,8 +135,14 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((sum_x, sum_x2, sum_x.new_full((1,), n)))
 
 
-def _take_shifted(x: torch.Tensor) -> torch.Tensor | None:
-    """The ``x - p`` that :func:`batch_norm_stats` made from this very ``x`` (unchanged since), or ``None``.
+def _hand_shifted(x: torch.Tensor, d: torch.Tensor, p: torch.Tensor) -> None:
+    """Leave ``d = x - p`` (``p`` per channel, in the arithmetic type of ``d``) for :func:`_take_shifted`."""
+    _shifted.entry = (x, _version(x), d, p)
+
+
+def _take_shifted(x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(d, p)``: the ``d = x - p`` that :func:`batch_norm_stats` made from this very ``x`` (unchanged since), or
+    ``(None, None)``.
 
     Handed over once, through a per-thread slot: :func:`batch_norm_elemt` writes ``y`` over it, in place,
     so the forward allocates one activation-sized buffer, as ``nn.BatchNorm2d``'s does. Any other
@@ -144,10 +150,10 @@ def _take_shifted(x: torch.Tensor) -> torch.Tensor | None:
     """
     entry = getattr(_shifted, "entry", None)
     if entry is None:
-        return None
+        return None, None
     _shifted.entry = None
-    src, version, d = entry
-    return d if src is x and version is not None and version == _version(x) else None
+    src, version, d, p = entry
+    return (d, p) if src is x and version is not None and version == _version(x) else (None, None)
 
 
 def _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum) -> None:
@@ -213,11 +219,11 @@ def batch_norm_elemt(
         mean64, var64 = running_mean.to(torch.float64, copy=True), running_var.to(torch.float64)
     invstd = _to((var64 + eps).rsqrt_(), acc)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
-    d = _take_shifted(x) if training else None
+    d, p = _take_shifted(x) if training else (None, None)
     if d is not None:
         # d = x - p from the statistics: y = d * scale + (bias - (mean - p) * scale), the shift in fp64 and
         # rounded once, by native_batch_norm in eval mode over d itself (see the module docstring)
-        m = mean64 - _first(x)
+        m = mean64 - p
         shift = torch.addcmul(bias, m, scale, value=-1.0) if bias is not None else m.mul_(scale).neg_()
         z = _scale_shift_(d, scale, _to(shift, acc))
     else:
