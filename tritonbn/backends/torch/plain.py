@@ -248,12 +248,13 @@ def batch_norm_elemt(
 
 
 def _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, slope, residual, output):
-    """``(dz, xc)``: ``dz = dy * act'(z)`` in the arithmetic type, each step one native pass
-    (:func:`~tritonbn.backends.torch.steps._epilogue_grad`), and ``xc = x - hi`` in that type where it was made
-    (to make ``z`` again, or for a 16-bit ``x``), else ``None``."""
+    """``(dz, xc)``: ``dz = dy * act'(z)``, each step one native pass (:func:`~tritonbn.backends.torch.steps.
+    _epilogue_grad`), and ``xc = x - hi`` in the arithmetic type where it was made (to make ``z`` again), else
+    ``None``. ``dz`` is in the arithmetic type where ``xc`` was made, else in ``x``'s (read from the output: a
+    16-bit ``dz`` is ``dy``, 0, or ``dy * slope`` rounded once, and the reductions take it as they take ``dy``)."""
     acc = compute_dtype(x.dtype)
     xc = None
-    if output is None or x.dtype != acc:
+    if output is None or grad_out.dtype != x.dtype:
         xc = _subtract(x, hi) if x.dtype == acc else x.to(acc).sub_(_per_channel(hi, x))
     scale = invstd * _to(weight, acc) if weight is not None else invstd
     shift = _to(bias, acc) if bias is not None else _constants_for(x.shape[1], acc, x.device)[0]

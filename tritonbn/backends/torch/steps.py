@@ -113,8 +113,8 @@ def _act_backward(dy: torch.Tensor, t: torch.Tensor, activation: str, slope: flo
 def _epilogue_grad(dy, x, xc, scale, shift, activation, slope, residual, output):
     """``dz = dy * act'(z)`` in ``xc``'s type, each step one native pass: from the output ``y`` where its sign gives
     act'(z), else from ``z = xc * scale + shift (+ residual)`` made again (a new buffer, then ``dz`` written over
-    it). ``xc`` is ``x - hi`` in the arithmetic type (``None`` when the output gives act'(z) and ``x`` is not
-    16-bit); ``shift = bias - lo * scale``."""
+    it). ``xc`` is ``x - hi`` in the arithmetic type, the type of ``dz`` (``None`` when the output gives act'(z):
+    ``dz`` then has ``x``'s type); ``shift = bias - lo * scale``."""
     acc = xc.dtype if xc is not None else x.dtype
     dy = _to(dy, acc)
     if activation is None:
