@@ -304,13 +304,15 @@ def test_masked_backward_zeroes_once(monkeypatch):
     mask = torch.rand(SHAPE[0], *SHAPE[2:], generator=torch.Generator().manual_seed(10)) > 0.3
     stats = tb.batch_norm_stats(x, mask=mask)
     y, mean, invstd = tb.batch_norm_elemt(x, w, b, stats=stats, activation="silu", mask=mask)
-    copies = []
-    zeroed_copy = masked._zeroed_copy
+    copies, made = [], []
+    zeroed_copy, epilogue_grad = masked._zeroed_copy, plain._epilogue_grad
     monkeypatch.setattr(masked, "_zeroed_copy", lambda t, m: copies.append(t) or zeroed_copy(t, m))
+    monkeypatch.setattr(plain, "_epilogue_grad", lambda *a: made.append(1) or epilogue_grad(*a))
     args = dict(bias=b, activation="silu", mask=mask)
     sums, dw, db = tb.batch_norm_backward_reduce(dy, x, mean, invstd, w, **args)
     dx = tb.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:], **args)
     assert len([c for c in copies if c is not None]) == 2  # dy and x, once each
+    assert len(made) == 1, "the elementwise launcher takes the reduction's dz"
     assert dx.movedim(1, -1)[~mask].eq(0).all()
 
 
