@@ -255,7 +255,7 @@ def _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, slope, residu
     acc = compute_dtype(x.dtype)
     xc = None
     if output is None or grad_out.dtype != x.dtype:
-        xc = _subtract(x, hi) if x.dtype == acc else x.to(acc).sub_(_per_channel(hi, x))
+        xc = _subtract(x, hi)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
     shift = _to(bias, acc) if bias is not None else _constants_for(x.shape[1], acc, x.device)[0]
     if lo is not None:
