@@ -103,7 +103,8 @@ def _take_zeroed(grad_out, x, mask, residual, output):
     """``(dy, x, residual, output)`` for the elementwise launcher: the copies zeroed at padded positions that
     :func:`batch_norm_backward_reduce` made of these very tensors (unchanged since), handed over once (the
     unmasked launchers then hand over ``dz`` too), or else the tensors themselves: each gradient position reads
-    only its own, and the padded ones are zeroed at the end."""
+    only its own, and the padded ones are zeroed at the end. Copies no elementwise launcher takes (a backward
+    that asks no input or residual gradient) stay in the slot until the next masked reduction replaces them."""
     entry = getattr(_zeroed, "entry", None)
     _zeroed.entry = None
     if entry is not None and _same(_key(grad_out, x, mask, residual, output), entry[0]):

@@ -265,7 +265,9 @@ def _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, slope, residu
 
 def _take_dz(grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(dz, xc)`` that :func:`batch_norm_backward_reduce` made from these very ``grad_out`` and ``x`` (unchanged
-    since), or ``(None, None)``: handed over once, through a per-thread slot, as :func:`_take_shifted` does."""
+    since), or ``(None, None)``: handed over once, through a per-thread slot, as :func:`_take_shifted` does. A
+    backward that asks no input or residual gradient never takes it: the next reduction with an epilogue
+    replaces it (until then the slot keeps that layer's ``dz``)."""
     entry = getattr(_grads, "entry", None)
     _grads.entry = None
     if entry is None:
