@@ -1,8 +1,10 @@
 """Whole training steps on CPU: plain ``nn.BatchNorm2d`` against tritonbn's PyTorch backend.
 
-For each network of ``benchmarks/cpu_nets.py`` (ResNet-, MobileNet- and EfficientNet-style), each
-dtype (fp32, bf16) and each memory format (contiguous, channels_last), it builds one seeded model,
-and a copy converted by ``tritonbn.convert_sync_batchnorm``, and times training steps
+For each network of ``benchmarks/cpu_nets.py`` (ResNet-, MobileNet- and EfficientNet-style, with separate
+activation modules; timm-style norm-act layers; the fx fuser's output), each dtype (fp32, bf16) and each memory
+format (contiguous, channels_last), it builds one seeded model, and a copy converted by
+``tritonbn.convert_sync_batchnorm`` (fused first by ``tritonbn.fuse_batchnorm_activations`` for the ``_fx``
+networks: ``cpu_nets.converted``), and times training steps
 (forward, cross-entropy, backward, SGD step) of the two, alternated step by step in one run, with
 one thread (``torch.set_num_threads(1)``) and ``TRITONBN_BACKEND=torch``. Each side's time is the
 median of ``--reps`` (7) timed steps after ``--warmup`` untimed ones; ``ratio`` is
@@ -16,9 +18,12 @@ synchronization on CPU, the collectives included. Rank 0's times are reported; t
 lockstep. ``--no-ddp`` skips it.
 
 ``--bn-layers`` adds a third column: the network's BatchNorm layers alone, each at its input's shape and
-layout in the step, forward and backward one after another, plain against tritonbn (alternated, the
-same medians), and the excess per layer in µs. It isolates tritonbn's own cost from the convolutions,
-whose times swing most when other jobs share the machine.
+layout in the step, with its epilogue (a residual, an activation), forward and backward one after another,
+tritonbn's layer against ``nn.BatchNorm2d`` followed by the same ops (``+ residual``, then ``nn.ReLU()``,
+``nn.SiLU()``, ...; alternated, the same medians), and the excess per layer in µs. The layers are timed in
+groups of one epilogue each, and a second table gives each group: what each epilogue costs per layer. The
+column is the groups' sum. It isolates tritonbn's own cost from the convolutions, whose times swing most when
+other jobs share the machine.
 
 ``--json FILE`` writes every figure; a markdown table goes to stdout. ``--max-ratio R`` exits with
 status 1 when a single-process ``ratio`` exceeds ``R`` (``.ci/run`` uses 2.0 at ``--small`` sizes until
@@ -56,8 +61,10 @@ import cpu_nets  # noqa: E402
 from results_file import write_section  # noqa: E402
 
 import tritonbn  # noqa: E402
+from tritonbn.activations import activation_module  # noqa: E402
 from tritonbn.cli._spawn import spawn  # noqa: E402
 from tritonbn.cli.demo import ddp_without_buffer_sync  # noqa: E402
+from tritonbn.modules import SyncBatchNormAct  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
@@ -67,8 +74,7 @@ def _models(net: str, dtype: torch.dtype, layout: torch.memory_format, small: bo
     """``(plain, converted)``: the same seeded weights, in ``dtype`` and ``layout``, in training mode."""
     torch.manual_seed(0)
     plain = cpu_nets.build(net, small).to(dtype=dtype, memory_format=layout).train()
-    converted = tritonbn.convert_sync_batchnorm(copy.deepcopy(plain))
-    return plain, converted
+    return plain, cpu_nets.converted(net, copy.deepcopy(plain))
 
 
 def _batch(net: str, dtype: torch.dtype, layout: torch.memory_format, small: bool, batch: int, seed: int = 1):
@@ -108,38 +114,100 @@ def _time_pair(plain_step, tb_step, warmup: int, reps: int) -> tuple[float, floa
     return 1e3 * statistics.median(plain), 1e3 * statistics.median(tb)
 
 
-def _bn_inputs(model, x) -> list[tuple[torch.Size, tuple[int, ...]]]:
-    """``(shape, stride)`` of every BatchNorm layer's input in one forward of (a copy of) ``model`` on ``x``."""
+def _epilogue(m: tritonbn.SyncBatchNorm, residual: bool) -> str:
+    """The name of a tritonbn layer's epilogue, as the ``--bn-layers`` groups are named."""
+    if isinstance(m, SyncBatchNormAct):
+        return f"{type(m.act).__name__} (unfused)"
+    act = m.activation if m.activation != "leaky_relu" else f"leaky_relu({m.negative_slope:g})"
+    return " + ".join(["residual"] * residual + [act] * (act is not None)) or "none"
+
+
+def _bn_layers(model, x) -> list[dict]:
+    """Every tritonbn layer of ``model`` as one forward of (a copy of) it on ``x`` calls it: its input's shape and
+    stride, its epilogue's name, activation and slope, whether a residual comes in, and an unfused act module."""
     probe, seen = copy.deepcopy(model), []
+
+    def hook(m, args, kwargs):
+        residual = len(args) > 1 and args[1] is not None or kwargs.get("residual") is not None
+        act = copy.deepcopy(m.act) if isinstance(m, SyncBatchNormAct) else None
+        seen.append({"shape": args[0].shape, "stride": args[0].stride(), "epilogue": _epilogue(m, residual),
+                     "activation": m.activation, "slope": m.negative_slope, "residual": residual,
+                     "act": act})  # fmt: skip
+
     for m in probe.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            m.register_forward_hook(lambda m, i, o: seen.append((i[0].shape, i[0].stride())))
+        if isinstance(m, tritonbn.SyncBatchNorm):
+            m.register_forward_pre_hook(hook, with_kwargs=True)
     with torch.no_grad():
         probe(x)
     return seen
 
 
-def _bn_layer_steps(inputs, dtype: torch.dtype):
-    """``(plain_step, tritonbn_step)``: forward and backward of each BatchNorm layer alone, at its input's
-    shape and layout in the network, one after another (``--bn-layers``)."""
+def _plain_ops(layer: dict) -> torch.nn.Module:
+    """The torch module a plain network runs after ``nn.BatchNorm2d`` for ``layer``'s activation (not in place)."""
+    if layer["act"] is not None:
+        return layer["act"]
+    return activation_module(layer["activation"], layer["slope"])
+
+
+def _bn_layer_steps(layers: list[dict], dtype: torch.dtype):
+    """``(plain_step, tritonbn_step)``: forward and backward of each layer alone, at its input's shape and layout
+    in the network, one after another: ``nn.BatchNorm2d`` followed by the layer's ops against the tritonbn layer
+    with its epilogue (``--bn-layers``)."""
     g = torch.Generator().manual_seed(2)
     cases = []
-    for shape, stride in inputs:
-        x, dy = (torch.empty_strided(shape, stride, dtype=dtype).copy_(torch.randn(shape, generator=g)) for _ in "xy")
+    for layer in layers:
+        shape, stride = layer["shape"], layer["stride"]
+        x, dy, r = (torch.empty_strided(shape, stride, dtype=dtype).copy_(torch.randn(shape, generator=g))
+                    for _ in "xyr")  # fmt: skip
+        r = r.requires_grad_() if layer["residual"] else None
         plain = torch.nn.BatchNorm2d(shape[1]).to(dtype).train()
-        cases.append((x.requires_grad_(), dy, plain, tritonbn.convert_sync_batchnorm(copy.deepcopy(plain))))
+        if layer["act"] is not None:
+            tb = SyncBatchNormAct(shape[1], act=copy.deepcopy(layer["act"]))
+        else:
+            tb = tritonbn.SyncBatchNorm(shape[1], activation=layer["activation"], negative_slope=layer["slope"])
+        cases.append((x.requires_grad_(), r, dy, (plain, _plain_ops(layer)), tb.to(dtype).train()))
+
+    def plain_layer(x, r, ops):
+        bn, act = ops
+        y = bn(x)
+        return act(y if r is None else y + r)
+
+    def tritonbn_layer(x, r, tb):
+        return tb(x) if r is None else tb(x, r)
 
     def stepper(side: int):
+        run = (plain_layer, tritonbn_layer)[side]
+
         def step() -> float:
             t0 = time.perf_counter()
-            for x, dy, *layers in cases:
-                layers[side](x).backward(dy)
+            for x, r, dy, *layers in cases:
+                run(x, r, layers[side]).backward(dy)
                 x.grad = None
+                if r is not None:
+                    r.grad = None
             return time.perf_counter() - t0
 
         return step
 
     return stepper(0), stepper(1)
+
+
+def _time_bn_layers(model, x, dtype, warmup: int, reps: int) -> dict:
+    """The ``--bn-layers`` figures of one configuration: each epilogue's group of layers timed alone, and the sum."""
+    layers = _bn_layers(model, x)
+    groups: dict[str, list[dict]] = {}
+    for layer in layers:
+        groups.setdefault(layer["epilogue"], []).append(layer)
+    epilogues = {}
+    for name, group in groups.items():
+        plain_ms, tb_ms = _time_pair(*_bn_layer_steps(group, dtype), warmup, reps)
+        extra = 1e3 * (tb_ms - plain_ms) / len(group)
+        epilogues[name] = {"layers": len(group), "plain_ms": plain_ms, "tritonbn_ms": tb_ms,
+                           "ratio": tb_ms / plain_ms, "extra_us_per_layer": extra}  # fmt: skip
+    plain = sum(e["plain_ms"] for e in epilogues.values())
+    tb = sum(e["tritonbn_ms"] for e in epilogues.values())
+    return {"bn_layers": len(layers), "bn_plain_ms": plain, "bn_tritonbn_ms": tb,
+            "bn_extra_us_per_layer": 1e3 * (tb - plain) / len(layers), "bn_epilogues": epilogues}  # fmt: skip
 
 
 def _configs(args) -> list[tuple[str, str, str]]:
@@ -158,10 +226,7 @@ def single_process(args) -> list[dict]:
         print(f"  {net} {dname} {lname}: plain {plain_ms:.2f} ms, tritonbn {tb_ms:.2f} ms, "
               f"ratio {tb_ms / plain_ms:.3f}", file=sys.stderr, flush=True)  # fmt: skip
         if args.bn_layers:
-            inputs = _bn_inputs(plain, x)
-            bn_plain, bn_tb = _time_pair(*_bn_layer_steps(inputs, dtype), args.warmup, args.reps)
-            rows[-1].update({"bn_layers": len(inputs), "bn_plain_ms": bn_plain, "bn_tritonbn_ms": bn_tb,
-                             "bn_extra_us_per_layer": 1e3 * (bn_tb - bn_plain) / len(inputs)})  # fmt: skip
+            rows[-1].update(_time_bn_layers(converted, x, dtype, args.warmup, args.reps))
     return rows
 
 
@@ -206,6 +271,17 @@ def table(rows: list[dict]) -> str:
         if bn:
             line += f" {r['bn_plain_ms']:.2f} | {r['bn_tritonbn_ms']:.2f} | {r['bn_extra_us_per_layer']:.0f} |"
         lines.append(line)
+    return "\n".join(lines) + (f"\n\n{epilogue_table(rows)}" if bn else "")
+
+
+def epilogue_table(rows: list[dict]) -> str:
+    """The ``--bn-layers`` groups: each epilogue's layers alone, tritonbn against ``nn.BatchNorm2d`` + the ops."""
+    lines = ["| network | dtype | layout | epilogue | layers | BN + ops (ms) | tritonbn (ms) | ratio "
+             "| extra per layer (µs) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        for name, e in r["bn_epilogues"].items():
+            lines.append(f"| {r['net']} | {r['dtype']} | {r['layout']} | {name} | {e['layers']} | {e['plain_ms']:.2f} "
+                         f"| {e['tritonbn_ms']:.2f} | {e['ratio']:.3f} | {e['extra_us_per_layer']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 

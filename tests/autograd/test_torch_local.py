@@ -63,8 +63,9 @@ def test_taken_where_it_applies(calls, form):
     expect(declined=1 + int(form == "autograd"), backward=1)  # declined by both forms; its backward is local
     _step(tritonbn.SyncBatchNorm(3, activation="relu"), x)
     _step(tritonbn.SyncBatchNorm(3), x, residual=torch.randn_like(x).requires_grad_())
+    expect(**{local: 2}, backward=2 * int(form == "function"))  # epilogues follow the local path
     _step(tritonbn.SyncBatchNorm(3), x, mask=torch.ones(4, 5, 5, dtype=torch.bool))
-    expect()  # epilogues and masks take the packed path
+    expect()  # masks take the packed path
     with tritonbn.accumulate_stats(bn := tritonbn.SyncBatchNorm(3, momentum=None)):
         _step(bn, x)  # pooled statistics: the local path adds them to the sink (any momentum)
     expect(**{local: 1}, backward=int(form == "function"))

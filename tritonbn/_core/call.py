@@ -128,13 +128,7 @@ def kept(y, residual, activation, negative_slope):
     return residual, None
 
 
-def synchronizes_with_nobody(settings: LayerSettings, residual, mask) -> bool:
-    """Whether a call can take the PyTorch backend's local path: training with no process group, and no residual,
-    activation or mask (in backward: the residual it saved)."""
-    return (
-        settings.training
-        and settings.group is None
-        and settings.activation is None
-        and residual is None
-        and mask is None
-    )
+def synchronizes_with_nobody(settings: LayerSettings, mask) -> bool:
+    """Whether a call can take the PyTorch backend's local path: training with no process group, and no mask (a
+    residual and an activation follow it there, in torch's own ops)."""
+    return settings.training and settings.group is None and mask is None

@@ -116,12 +116,13 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
         # The PyTorch backend's local path, recorded by autograd itself (None for the kernels). Forward-mode AD
         # keeps the Function: an outer torch.compile resumed after its graph break would trace these ops.
         local = backend.local
-        if local is not None and synchronizes_with_nobody(settings, t.residual, t.mask) and not forward_ad_active():
+        if local is not None and synchronizes_with_nobody(settings, t.mask) and not forward_ad_active():
             if in_backward():  # a recompute inside backward (checkpointing) leaves the buffers alone
                 t = t.without_running_stats()
             y = local.recorded(
-                settings, input, t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked, t.sink
-            )
+                settings, input, t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked, t.sink,
+                t.residual,
+            )  # fmt: skip
             if y is not None:
                 return y
         return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)

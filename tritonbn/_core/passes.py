@@ -17,8 +17,8 @@ Backward (training)::
     all_reduce(sums)                            # THE backward collective: 2*C floats
     dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:])
 
-On the PyTorch backend a layer that synchronizes with nobody (no process group, residual, activation or
-mask) takes its local path instead, torch's own passes without the packed statistics
+On the PyTorch backend a layer that synchronizes with nobody (no process group, no mask) takes its local path
+instead, torch's own passes without the packed statistics, its epilogue in torch's own ops
 (:mod:`tritonbn.backends.torch.local`): here for the custom ops and calls that record no autograd; an eager
 call that records autograd runs the same ops before any Function (:mod:`tritonbn._core.dispatch`).
 
@@ -88,9 +88,9 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
         if backward:
             t = t.without_running_stats()
         local = backend.local  # the PyTorch backend's local path; None for the kernels
-        if local is not None and synchronizes_with_nobody(settings, t.residual, t.mask):
+        if local is not None and synchronizes_with_nobody(settings, t.mask):
             rm, rv, nbt = t.running_mean, t.running_var, t.num_batches_tracked
-            out = local.forward(settings, t.input, t.weight, t.bias, rm, rv, nbt, save_stats, t.sink)
+            out = local.forward(settings, t.input, t.weight, t.bias, rm, rv, nbt, save_stats, t.sink, t.residual)
             if out is not None:
                 return out
         if settings.group is None:
@@ -128,9 +128,12 @@ def backward_pass(backend, settings, grad_out, saved: Saved, needs):
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", signature(s.x, True, input_grad), name=settings.name)
     local = backend.local  # the PyTorch backend's local path; None for the kernels
-    if local is not None and synchronizes_with_nobody(settings, s.residual, s.mask):
-        if not residual_grad and s.x.numel():  # torch's kernels divide by the count: an empty input's are packed
-            return local.backward(grad_out, s.x, s.weight, s.mean, s.invstd, input_grad, weight_grad, bias_grad)
+    if local is not None and synchronizes_with_nobody(settings, s.mask):
+        if s.x.numel():  # torch's kernels divide by the count: an empty input's are packed
+            kept = s.residual, s.output  # what the epilogue's act'(z) is read from
+            grads = local.backward(settings, grad_out, s.x, s.weight, s.bias, s.mean, s.invstd, *kept, needs)
+            if grads is not None:
+                return grads
     sums = dx = dw = db = dr = None
     if weight_grad or bias_grad or (input_grad and training):
         sums, dw, db = backend.batch_norm_backward_reduce(

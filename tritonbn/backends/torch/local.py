@@ -1,15 +1,18 @@
 """The PyTorch backend's local path: a training layer that synchronizes with nobody, in torch's own ops.
 
 With no process group to sum over (one process, world size 1, or eval without running statistics),
-the statistics need not be packed for an all-reduce. A layer with no residual, activation or mask then
-makes the passes torch's own CPU BatchNorm makes (``benchmarks/cpu_train_step.py`` times it against
-``nn.BatchNorm2d``), in one of two forms that compute the same numbers:
+the statistics need not be packed for an all-reduce. A layer without a mask then makes the passes torch's
+own CPU BatchNorm makes, followed by its epilogue in torch's own ops (``y.add_(residual)``, then the activation,
+in place on the output where autograd allows it: :func:`_epilogue`), as ``nn.BatchNorm2d`` followed by the same
+modules would (``benchmarks/cpu_train_step.py`` times both), in one of two forms that compute the same numbers:
 
 * :func:`recorded`, for an eager call that records autograd (the dispatch, :mod:`tritonbn._core.dispatch`):
   the ops are recorded by torch's autograd itself, with no ``autograd.Function``, so that the backward (and
   the double backward, and forward-mode AD) are torch's own nodes, as in ``nn.BatchNorm2d``;
 * :func:`forward` and :func:`backward`, which the passes call (:mod:`tritonbn._core.passes`: the custom
-  ops, and calls that record nothing), and which write ``y`` over the shifted copy.
+  ops, and calls that record nothing), and which write ``y`` over the shifted copy. Backward reads act'(z)
+  with the ops autograd records for the activation, from the output where the forward kept it, or else from
+  ``z`` made again by the same kernel over the same ``d`` (:func:`_grad_z`): both forms agree bitwise.
 
 ``layer`` is the layer's settings: its ``momentum`` and ``eps`` are read. The caller passes no running
 statistics for a forward that must not update them (an activation-checkpointing recompute).
@@ -27,7 +30,8 @@ The numerical promises are the backend's (see :mod:`tritonbn.backends.torch.plai
   shifted). Both forms run the same kernels on the same ``d``, so eager and compiled calls agree bitwise.
 * float16 / bfloat16: ``torch.native_batch_norm`` in training mode (statistics in float32) and its
   backward, on ``x`` itself: the affine form's error stays below 16-bit rounding (see the backend's
-  module docstring).
+  module docstring). The epilogue then runs on the 16-bit output, as torch's unfused modules would; a 16-bit
+  layer with a residual and relu or leaky_relu takes the packed path instead (:func:`_rounds_a_kink`).
 * The running statistics of the arithmetic type are updated by torch's kernel (``momentum * value +
   (1 - momentum) * r``; the variance unbiased), the mean's less ``p`` and ``p`` added back (exact where
   the mean lies within a factor 2 of ``p``, the case that needs it); others (float32 buffers of a
@@ -39,9 +43,13 @@ The numerical promises are the backend's (see :mod:`tritonbn.backends.torch.plai
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tritonbn._numerics import compute_dtype
+from tritonbn.activations import output_gives_grad
 from tritonbn.backends.torch.steps import (
+    _act_backward,
+    _activate_,
     _first,
     _in_layout_of,
     _native_layout,
@@ -75,10 +83,22 @@ def _train_(d, weight, bias, rm, rv, momentum, eps):
     return torch.native_batch_norm(d, weight, bias, rm, rv, True, momentum, eps, out=(d, empty, empty.clone()))
 
 
-def applies(layer, x: torch.Tensor, running_mean: torch.Tensor | None, stats_sink) -> bool:
-    """Whether the local path takes this training call: two values or more per channel, and no cumulative
-    average of running statistics (``momentum=None``: the packed path computes its factor)."""
-    return x.numel() > x.shape[1] and (layer.momentum is not None or running_mean is None or stats_sink is not None)
+def applies(layer, x: torch.Tensor, running_mean: torch.Tensor | None, stats_sink, residual=None) -> bool:
+    """Whether the local path takes this training call: two values or more per channel, no cumulative average of
+    running statistics (``momentum=None``: the packed path computes its factor), and no kink of a 16-bit sum
+    (:func:`_rounds_a_kink`)."""
+    return (
+        x.numel() > x.shape[1]
+        and (layer.momentum is not None or running_mean is None or stats_sink is not None)
+        and not _rounds_a_kink(layer, x, residual)
+    )
+
+
+def _rounds_a_kink(layer, x: torch.Tensor, residual) -> bool:
+    """A 16-bit input with a residual and relu or leaky_relu: torch's kernels round the batch norm's output to 16
+    bits before the residual is added, which moves act'(z) wherever ``|z|`` is below that rounding (a whole
+    ``dy`` at such an element); the packed path forms ``z`` in float32, as the kernels do."""
+    return residual is not None and x.dtype != compute_dtype(x.dtype) and layer.activation in ("relu", "leaky_relu")
 
 
 def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, by_autograd):
@@ -126,44 +146,86 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     return y, mean, invstd
 
 
-def recorded(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink):
+def _epilogue(layer, y, residual, by_autograd):
+    """``act(y + residual)`` over the local path's fresh output ``y``, in place: torch's own ops, each one native
+    pass. Where autograd records them (``by_autograd``), leaky_relu with a negative slope and silu run out of
+    place, as autograd needs their input ``z`` for backward (torch's in-place silu would save a copy of it)."""
+    if residual is not None:
+        y = y.add_(residual)  # native_batch_norm's backward does not read its output: autograd allows this
+    activation, slope = layer.activation, layer.negative_slope
+    if by_autograd and (activation == "silu" or (activation == "leaky_relu" and slope < 0)):
+        return F.silu(y) if activation == "silu" else F.leaky_relu(y, slope)
+    return _activate_(y, activation, slope)
+
+
+def recorded(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, residual=None):
     """``y`` of an eager training call whose ops autograd records (see the module docstring), or ``None`` where
     the local path does not apply or the layout is not one torch's kernels keep (the Function takes those)."""
-    if not (applies(layer, x, running_mean, stats_sink) and _native_layout(x)):
+    if not (applies(layer, x, running_mean, stats_sink, residual) and _native_layout(x)):
         return None
-    return _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, True)[0]
+    y = _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, True)[0]
+    return _epilogue(layer, y, residual, True)
 
 
-def forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink):
+def forward(
+    layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink, residual=None
+):
     """``(y, mean, invstd, None)`` of a training forward over ``x`` alone (``mean`` float64), or ``None`` where
     the local path does not apply (:func:`applies`).
 
     ``stats_sink`` (:func:`tritonbn.accumulate_stats`): the packed ``[sum x | sum x^2 | n]`` of ``x`` is
     added into it, in float64, in place of the running-stat update.
     """
-    if not applies(layer, x, running_mean, stats_sink):
+    if not applies(layer, x, running_mean, stats_sink, residual):
         return None
     y, mean, invstd = _forward(
         layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, False
     )
+    y = _epilogue(layer, y, residual, False)
     return (y, mean, invstd, None) if save_stats else (y, None, None, None)
 
 
-def backward(grad_out, x, weight, mean, invstd, input_grad, weight_grad, bias_grad):
-    """``(dx, dweight, dbias, None)`` of a layer whose statistics are ``x``'s own (see :func:`forward`)."""
+def _grad_z(layer, grad_out, xs, w, b, residual, output):
+    """``dz = dy * act'(z)`` as autograd computes it over :func:`recorded`'s ops: from the output where its sign
+    gives act'(z), else from ``z`` made again exactly as the forward made it (the same training kernel over the
+    same ``d``, plus the residual), so that both forms agree bitwise."""
+    activation, slope = layer.activation, layer.negative_slope
+    if activation is None:
+        return grad_out
+    if output is not None and output_gives_grad(activation, slope):
+        return _act_backward(grad_out, output, activation, slope, True)
+    z = torch.native_batch_norm(xs, w, b, None, None, True, 0.0, layer.eps)[0]
+    if residual is not None:
+        z.add_(residual)
+    return _act_backward(grad_out, z, activation, slope, False)  # act'(z) from z's sign: as from y's, same bits
+
+
+def backward(layer, grad_out, x, weight, bias, mean, invstd, residual, output, needs):
+    """``(dx, dweight, dbias, dresidual)`` of a layer whose statistics are ``x``'s own (see :func:`forward`);
+    ``needs``: which of the four are asked for. ``residual`` and ``output``: what the forward kept for the
+    epilogue's act'(z) (:func:`tritonbn._core.call.kept`). ``None`` where ``z`` would be made again from a 16-bit
+    batch-norm output, across a kink (:func:`_rounds_a_kink`): the packed path's backward takes those."""
+    if _rounds_a_kink(layer, x, residual):
+        return None
+    input_grad, weight_grad, bias_grad, residual_grad = needs
     acc = compute_dtype(x.dtype)
     mask = [input_grad, weight_grad, bias_grad]
     w = _as(weight, acc)
     if x.dtype == acc:
         p = _first(x)
         xs, mean = _subtract(x, p), mean - p  # d = x - p and its mean, exactly the forward's
+        z_of = xs
     else:  # torch's mixed-type form: a 16-bit input with float32 statistics (a float32 one where dy is not 16-bit)
-        xs = x if grad_out.dtype == x.dtype else x.float()
-    dy = grad_out if grad_out.dtype == xs.dtype else grad_out.to(xs.dtype)
+        xs, z_of = (x if grad_out.dtype == x.dtype else x.float()), x
+    dz = _grad_z(layer, grad_out, z_of, w, _as(bias, acc), residual, output)
+    dr = (dz.clone() if dz is grad_out else dz) if residual_grad else None  # an op's outputs may not alias its inputs
+    if not any(mask):
+        return None, None, None, dr
+    dy = dz if dz.dtype == xs.dtype else dz.to(xs.dtype)
     mean, invstd = _to(mean, acc), _to(invstd, acc)
     dx, dw, db = _aten.native_batch_norm_backward(dy, xs, w, None, None, mean, invstd, True, 0.0, mask)
     if input_grad and dx.dtype != x.dtype:
         dx = dx.to(x.dtype)
     if weight is not None and weight.dtype != acc:
         dw, db = _as(dw, weight.dtype), _as(db, weight.dtype)
-    return (dx if input_grad else None), (dw if weight_grad else None), (db if bias_grad else None), None
+    return (dx if input_grad else None), (dw if weight_grad else None), (db if bias_grad else None), dr

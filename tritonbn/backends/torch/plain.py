@@ -44,8 +44,12 @@ of input can resolve, so results agree with the kernels' to the output's roundin
 float32 (float64 for float64 inputs) as in the kernels, removed from their shift and summed across
 ranks in float64.
 
-The fused epilogue (residual and activation) takes the same fast steps where it can, and computes
-``dz = dy * act'(z)`` with plain elementwise ops.
+The fused epilogue (residual and activation) takes the same fast steps, one native pass each: in the forward
+``z.add_(residual)`` and the activation in place; in the backward ``dz = dy * act'(z)`` by the op autograd
+records for the activation (``threshold_backward``, ``leaky_relu_backward``, ``silu_backward``), read from the
+saved output, or from ``z`` made again by one native pass over ``x - hi`` (and written over it). The reduction
+hands ``dz`` (and ``x - hi`` where it made it) to the elementwise launcher (:func:`_take_dz`), so a backward
+makes them once.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ from tritonbn.backends.torch.steps import (
     _activate_,
     _channel_sums,
     _constants_for,
+    _epilogue_grad,
     _first,
-    _grad_z,
     _in_layout_of,
     _per_channel,
     _scale_shift_,
@@ -71,6 +75,7 @@ from tritonbn.backends.torch.steps import (
 _aten = torch.ops.aten
 _shifted = threading.local()  # batch_norm_stats's x - p, for batch_norm_elemt to write y over (_take_shifted)
 _split: list = [None]  # the last (mean, version, acc, hi, lo) of _split_mean: backward's two launchers share it
+_grads = threading.local()  # batch_norm_backward_reduce's dz (and x - hi), for batch_norm_backward_elemt (_take_dz)
 
 
 def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,7 +118,7 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     p = _to(_first(x), acc)  # each channel's first element (x[0, :, 0, ...])
     if x.dtype == acc:
         d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
-        _shifted.entry = (x, _version(x), d)  # batch_norm_elemt writes y over d (see _take_shifted)
+        _hand_shifted(x, d, p)  # batch_norm_elemt writes y over d (see _take_shifted)
         # native_batch_norm_backward(dy=d, x=d, mean=0, invstd=1): S1 = sum(d), S2 = sum(d * d), one read of d
         s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
         s1, s2, p = torch.stack((s1, s2, p)).double().unbind()  # the shift comes off in fp64, as in the kernel
@@ -130,8 +135,14 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((sum_x, sum_x2, sum_x.new_full((1,), n)))
 
 
-def _take_shifted(x: torch.Tensor) -> torch.Tensor | None:
-    """The ``x - p`` that :func:`batch_norm_stats` made from this very ``x`` (unchanged since), or ``None``.
+def _hand_shifted(x: torch.Tensor, d: torch.Tensor, p: torch.Tensor) -> None:
+    """Leave ``d = x - p`` (``p`` per channel, in the arithmetic type of ``d``) for :func:`_take_shifted`."""
+    _shifted.entry = (x, _version(x), d, p)
+
+
+def _take_shifted(x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(d, p)``: the ``d = x - p`` that :func:`batch_norm_stats` made from this very ``x`` (unchanged since), or
+    ``(None, None)``.
 
     Handed over once, through a per-thread slot: :func:`batch_norm_elemt` writes ``y`` over it, in place,
     so the forward allocates one activation-sized buffer, as ``nn.BatchNorm2d``'s does. Any other
@@ -139,10 +150,10 @@ def _take_shifted(x: torch.Tensor) -> torch.Tensor | None:
     """
     entry = getattr(_shifted, "entry", None)
     if entry is None:
-        return None
+        return None, None
     _shifted.entry = None
-    src, version, d = entry
-    return d if src is x and version is not None and version == _version(x) else None
+    src, version, d, p = entry
+    return (d, p) if src is x and version is not None and version == _version(x) else (None, None)
 
 
 def _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum) -> None:
@@ -208,11 +219,11 @@ def batch_norm_elemt(
         mean64, var64 = running_mean.to(torch.float64, copy=True), running_var.to(torch.float64)
     invstd = _to((var64 + eps).rsqrt_(), acc)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
-    d = _take_shifted(x) if training else None
+    d, p = _take_shifted(x) if training else (None, None)
     if d is not None:
         # d = x - p from the statistics: y = d * scale + (bias - (mean - p) * scale), the shift in fp64 and
         # rounded once, by native_batch_norm in eval mode over d itself (see the module docstring)
-        m = mean64 - _first(x)
+        m = mean64 - p
         shift = torch.addcmul(bias, m, scale, value=-1.0) if bias is not None else m.mul_(scale).neg_()
         z = _scale_shift_(d, scale, _to(shift, acc))
     else:
@@ -234,6 +245,38 @@ def batch_norm_elemt(
     if not save_stats:
         return y, None, None
     return y, mean64, invstd
+
+
+def _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, slope, residual, output):
+    """``(dz, xc)``: ``dz = dy * act'(z)``, each step one native pass (:func:`~tritonbn.backends.torch.steps.
+    _epilogue_grad`), and ``xc = x - hi`` in the arithmetic type where it was made (to make ``z`` again), else
+    ``None``. ``dz`` is in the arithmetic type where ``xc`` was made, else in ``x``'s (read from the output: a
+    16-bit ``dz`` is ``dy``, 0, or ``dy * slope`` rounded once, and the reductions take it as they take ``dy``)."""
+    acc = compute_dtype(x.dtype)
+    xc = None
+    if output is None or grad_out.dtype != x.dtype:
+        xc = _subtract(x, hi)
+    scale = invstd * _to(weight, acc) if weight is not None else invstd
+    shift = _to(bias, acc) if bias is not None else _constants_for(x.shape[1], acc, x.device)[0]
+    if lo is not None:
+        shift = torch.addcmul(shift, lo, scale, value=-1.0)
+    return _epilogue_grad(grad_out, x, xc, scale, shift, activation, slope, residual, output), xc
+
+
+def _take_dz(grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(dz, xc)`` that :func:`batch_norm_backward_reduce` made from these very ``grad_out`` and ``x`` (unchanged
+    since), or ``(None, None)``: handed over once, through a per-thread slot, as :func:`_take_shifted` does. A
+    backward that asks no input or residual gradient never takes it: the next reduction with an epilogue
+    replaces it (until then the slot keeps that layer's ``dz``)."""
+    entry = getattr(_grads, "entry", None)
+    _grads.entry = None
+    if entry is None:
+        return None, None
+    dy, dy_version, src, version, dz, xc = entry
+    if dy is grad_out and src is x and None not in (dy_version, version):
+        if dy_version == _version(grad_out) and version == _version(x):
+            return dz, xc
+    return None, None
 
 
 def batch_norm_backward_reduce(
@@ -263,14 +306,14 @@ def batch_norm_backward_reduce(
     if activation is None and grad_out.dtype == x.dtype:
         # native_batch_norm_backward(dy, x, mean=hi, invstd=1): sum(dy) and sum(dy * (x - hi)), x - hi per element
         sum_dz, sum_dzx = _channel_sums(grad_out, x, hi)
-    else:  # dz = dy * act'(z) in acc, reduced against xc = x - hi - lo
-        xc = _subtract(x, hi)
-        if lo is not None:
-            xc.sub_(_per_channel(lo, x))
-        scale = invstd * _to(weight, acc) if weight is not None else invstd
-        dz = _grad_z(_to(grad_out, acc), xc, scale, bias, x, activation, negative_slope, residual, output)
-        sum_dz, sum_dzx = _channel_sums(dz, xc, _constants_for(x.shape[1], acc, x.device)[0])
-        lo = None
+    else:  # dz = dy * act'(z) in acc (handed to the elemt launcher), reduced against x - hi
+        dz, xc = _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, negative_slope, residual, output)
+        if activation is not None:
+            _grads.entry = (grad_out, _version(grad_out), x, _version(x), dz, xc)
+        if xc is None:
+            sum_dz, sum_dzx = _channel_sums(dz, x, hi)
+        else:
+            sum_dz, sum_dzx = _channel_sums(dz, xc, _constants_for(x.shape[1], acc, x.device)[0])
     sum_dzxhat = sum_dzx.mul_(invstd) if lo is None else torch.addcmul(sum_dzx, lo, sum_dz, value=-1.0).mul_(invstd)
     sums = torch.stack((sum_dz, sum_dzxhat))  # a copy: the all-reduce changes it, the gradients keep their own
     gdtype = weight.dtype if weight is not None else acc
@@ -310,13 +353,13 @@ def batch_norm_backward_elemt(
     invstd = _to(invstd, acc)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
     hi, lo = _split_mean(mean, acc)
-    if activation is None:
-        dz = grad_out
+    xc = None
+    if activation is not None:
+        dz, xc = _take_dz(grad_out, x)
+        if dz is None:
+            dz, xc = _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, negative_slope, residual, output)
     else:
-        xc = _subtract(x, hi)
-        if lo is not None:
-            xc.sub_(_per_channel(lo, x))
-        dz = _grad_z(_to(grad_out, acc), xc, scale, bias, x, activation, negative_slope, residual, output)
+        dz = grad_out
     if out_grad_residual is not None:
         out_grad_residual.copy_(dz)
     if not input_grad:
@@ -334,7 +377,9 @@ def batch_norm_backward_elemt(
     mean_dz, k = (sums * count.clamp_min(1.0).reciprocal_().to(acc)).unbind()
     k = k.mul_(invstd)
     m = torch.addcmul(mean_dz, k, lo, value=-1.0) if lo is not None else mean_dz  # c = -m * scale
-    if x.dtype == acc:
+    if xc is not None:  # x - hi from the reduction (or made for dz above): written over below
+        t, dz = xc, _to(dz, acc)
+    elif x.dtype == acc:
         t = _subtract(x, hi)  # torch.sub: exact near hi, as the kernel's x - hi
     else:  # 16-bit: in float32 copies (mixed-dtype TensorIterator ops are many times slower than two casts)
         t = x.to(acc).sub_(_per_channel(hi, x))

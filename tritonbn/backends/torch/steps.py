@@ -99,23 +99,40 @@ def _activate_(z: torch.Tensor, activation: str | None, slope: float) -> torch.T
     return z
 
 
-def _grad_z(dy, xc, scale, bias, x, activation, slope, residual, output):
-    """dz = dy * act'(z), z read from ``output`` (its sign) or recomputed; as the kernels do."""
+def _act_backward(dy: torch.Tensor, t: torch.Tensor, activation: str, slope: float, is_result: bool) -> torch.Tensor:
+    """``dy * act'(z)`` in one native pass, read from ``t``: ``z`` itself, or (``is_result``) ``y = act(z)``, whose
+    sign gives act'(z) for relu and leaky_relu with a slope >= 0. These are the ops autograd records for relu,
+    leaky_relu and silu (``threshold_backward``, ``leaky_relu_backward``, ``silu_backward``): same bits."""
+    if activation == "relu":
+        return _aten.threshold_backward(dy, t, 0)
+    if activation == "leaky_relu":
+        return _aten.leaky_relu_backward(dy, t, slope, is_result)
+    return _aten.silu_backward(dy, t)
+
+
+def _epilogue_grad(dy, x, xc, scale, shift, activation, slope, residual, output):
+    """``dz = dy * act'(z)`` in ``xc``'s type, each step one native pass: from the output ``y`` where its sign gives
+    act'(z), else from ``z = xc * scale + shift (+ residual)`` made again (a new buffer, then ``dz`` written over
+    it). ``xc`` is ``x - hi`` in the arithmetic type, the type of ``dz`` (``None`` when the output gives act'(z):
+    ``dz`` then has ``x``'s type); ``shift = bias - lo * scale``."""
+    acc = xc.dtype if xc is not None else x.dtype
+    dy = _to(dy, acc)
     if activation is None:
         return dy
     if output is not None:
         check_output_gives_grad(activation, slope)
-        z = output.to(xc.dtype)
-    else:
-        z = xc * _per_channel(scale, x) + (_per_channel(bias.to(xc.dtype), x) if bias is not None else 0.0)
-        if residual is not None:
-            z = z + residual.to(xc.dtype)
+        return _act_backward(dy, _to(output, acc), activation, slope, True)
+    z = torch.empty_like(xc)
+    if z.numel():  # native_batch_norm in eval mode with mean 0, var 1, eps 0 (as in _scale_shift_), into z
+        zeros, ones, e1, e2 = _constants_for(x.shape[1], acc, x.device)
+        torch.native_batch_norm(xc, scale, shift, zeros, ones, False, 0.0, 0.0, out=(z, e1, e2))
+    if residual is not None:
+        z.add_(residual)
     if activation == "relu":
-        return torch.where(z > 0, dy, torch.zeros_like(dy))
+        return _aten.threshold_backward.grad_input(dy, z, 0, grad_input=z)
     if activation == "leaky_relu":
-        return torch.where(z > 0, dy, dy * slope)
-    s = torch.sigmoid(z)
-    return dy * s * (1.0 + z * (1.0 - s))
+        return _aten.leaky_relu_backward.grad_input(dy, z, slope, False, grad_input=z)
+    return _aten.silu_backward.grad_input(dy, z, grad_input=z)
 
 
 def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -123,11 +140,15 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _subtract(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``x - hi`` per channel in the arithmetic type (``hi``'s), laid out like ``x``: one pass, one allocation.
+    """``x - hi`` per channel in the arithmetic type (``hi``'s), laid out like ``x``: one pass, one allocation
+    (a 16-bit ``x``: a float32 copy, then the subtraction in place; torch's mixed-type subtraction is several times
+    slower than the two on CPU).
 
     ``x - hi`` is exact wherever ``x`` lies within a factor 2 of ``hi`` (Sterbenz): what keeps fp32
     precision when ``|mean| >> std``, as in the kernels.
     """
+    if x.dtype != hi.dtype:
+        return x.to(hi.dtype).sub_(_per_channel(hi, x))
     return torch.sub(x, _per_channel(hi, x), out=torch.empty_like(x, dtype=hi.dtype))
 
 
