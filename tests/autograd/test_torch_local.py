@@ -12,32 +12,8 @@ import torch
 from oracle import PARAM_GRAD_TOL, TOLERANCES, Oracle, make_layout
 
 import tritonbn
-from tritonbn.backends.torch import local
 
 FORMS = ["autograd", "function"]
-
-
-@pytest.fixture
-def calls(monkeypatch, form):
-    """Count the local path's calls, and the times it declined. ``form``: an eager call records torch's own ops
-    (``local.recorded``), or, with that taken away, takes the autograd.Function over ``local.forward`` and
-    ``local.backward``, as the custom ops (torch.compile) and calls without autograd do."""
-    seen = {"autograd": 0, "forward": 0, "declined": 0, "backward": 0}
-    forward, backward, recorded = local.forward, local.backward, local.recorded
-
-    def counting(key, function):
-        def count(*args):
-            out = function(*args)
-            seen[key if out is not None else "declined"] += 1
-            return out
-
-        return count
-
-    monkeypatch.setattr(local, "forward", counting("forward", forward))
-    monkeypatch.setattr(local, "backward", counting("backward", backward))
-    monkeypatch.setattr(local, "recorded", counting("autograd", recorded) if form == "autograd" else lambda *a: None)
-    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
-    return seen
 
 
 def _step(bn, x, **kwargs):

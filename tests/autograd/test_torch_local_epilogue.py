@@ -42,29 +42,6 @@ LAYOUTS = ["contiguous", "channels_last"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture
-def calls(monkeypatch, form):
-    """Count the local path's calls (and the times it declined), on the PyTorch backend. ``form``: ``"autograd"``
-    (an eager call records torch's ops: ``local.recorded``) or ``"function"`` (that taken away: the Function over
-    ``local.forward`` and ``local.backward``, as the custom ops run them)."""
-    seen = {"autograd": 0, "forward": 0, "backward": 0, "declined": 0}
-
-    def counting(key, function):
-        def count(*args):
-            out = function(*args)
-            seen[key if out is not None else "declined"] += 1
-            return out
-
-        return count
-
-    monkeypatch.setattr(local, "forward", counting("forward", local.forward))
-    monkeypatch.setattr(local, "backward", counting("backward", local.backward))
-    recorded = counting("autograd", local.recorded) if form == "autograd" else lambda *args: None
-    monkeypatch.setattr(local, "recorded", recorded)
-    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
-    return seen
-
-
 def _data(dtype, layout, offset=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(SHAPE, generator=g, dtype=torch.float64) * 2 + offset

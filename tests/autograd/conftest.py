@@ -1,0 +1,29 @@
+"""Fixtures of the autograd tests."""
+
+import pytest
+
+from tritonbn.backends.torch import local
+
+
+@pytest.fixture
+def calls(monkeypatch, form):
+    """Count the PyTorch backend's local-path calls, and the times it declined. ``form``: ``"autograd"`` (an eager
+    call records torch's own ops: ``local.recorded``) or ``"function"`` (that taken away: the autograd.Function over
+    ``local.forward`` and ``local.backward``, as the custom ops (torch.compile) and calls without autograd run them).
+    """
+    seen = {"autograd": 0, "forward": 0, "declined": 0, "backward": 0}
+
+    def counting(key, function):
+        def count(*args):
+            out = function(*args)
+            seen[key if out is not None else "declined"] += 1
+            return out
+
+        return count
+
+    monkeypatch.setattr(local, "forward", counting("forward", local.forward))
+    monkeypatch.setattr(local, "backward", counting("backward", local.backward))
+    recorded = counting("autograd", local.recorded) if form == "autograd" else lambda *args: None
+    monkeypatch.setattr(local, "recorded", recorded)
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    return seen
