@@ -238,8 +238,8 @@ def batch_norm_elemt(
             y = _in_layout_of(y, x)
             return (y, None, None) if not save_stats else (y, mean64, invstd)
         z = _scale_shift_(_subtract(x, hi), scale, shift)  # torch.sub (exact near hi), then native_batch_norm
-    if residual is not None:
-        z.add_(residual)
+    if residual is not None:  # a 16-bit residual in float32 first: torch's mixed-type add is the slower pass
+        z.add_(residual if residual.dtype == z.dtype else residual.to(z.dtype))
     z = _activate_(z, activation, negative_slope)
     y = z if z.dtype == x.dtype else torch.empty_like(x).copy_(z)
     if not save_stats:
