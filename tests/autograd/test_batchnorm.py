@@ -180,7 +180,7 @@ def test_functional_matches_module(backend_name):
 
 
 def test_cached_layer_follows_every_setting():
-    """The module keeps its call record (``_passes.Layer``) until a setting changes. Every attribute the record
+    """The module keeps its settings (``_core.call.LayerSettings``) until a setting changes. Every attribute the record
     is built from, found by recording what ``_settings`` reads, must be one whose change drops the record, and
     changing each one does; so a new setting cannot leave a stale record behind."""
     from tritonbn import modules
