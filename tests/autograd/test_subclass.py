@@ -178,3 +178,12 @@ def test_compiled(backend_name):
     _close(y, want[0])
     _close(x.grad, want[1])
     torch._dynamo.reset()
+
+
+def test_fullgraph_compile_says_why_it_breaks(backend_name):
+    """A subclass call is a graph break: with ``fullgraph=True`` dynamo's error carries tritonbn's reason."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_bn(), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="tritonbn: a call on a __torch_function__ tensor subclass runs uncompiled"):
+        compiled(Meta(_data()[0], META))
+    torch._dynamo.reset()

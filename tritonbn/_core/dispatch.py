@@ -129,7 +129,13 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     return forward_pass(backend, settings, t, save_stats=False, enclosing=True)[0]
 
 
-@torch.compiler.disable  # under torch.compile a subclass call runs eagerly, as a graph break (see below)
+_SUBCLASS_BREAK = (
+    "tritonbn: a call on a __torch_function__ tensor subclass runs uncompiled (a graph break; torch's own BatchNorm "
+    "does not compile such an input either): pass a plain tensor (.as_subclass(torch.Tensor)) to compile it"
+)
+
+
+@torch.compiler.disable(reason=_SUBCLASS_BREAK)  # under torch.compile a subclass call runs eagerly (see below)
 def normalize(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink, *, settings,
               num_features=None):  # fmt: skip
     """:func:`run` over loose tensors: what a tensor subclass's ``__torch_function__`` is handed (the input first,
