@@ -194,6 +194,15 @@ def group_timeout(group, device: torch.device):
         return None
 
 
+def run_first(join, index: int) -> None:
+    """Make the hook of ``join``'s joinable ``index`` the first that ``Join.__exit__`` runs, main and post hooks
+    alike, leaving the joinables' order (the first one's per-iteration count, which DDP divides by) as it is.
+    ``Join._join_hooks``, read in torch 2.8 and 2.13 (a list, one hook per joinable, in their order). No public
+    equivalent."""
+    hooks = join._join_hooks
+    hooks.insert(0, hooks.pop(index))
+
+
 # --- torch.cuda -------------------------------------------------------------------------------------
 
 # The raw cudaStream_t of a device's current stream, without building a torch.cuda.Stream object (a

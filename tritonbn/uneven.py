@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from tritonbn._compat import group_timeout
+from tritonbn._compat import group_timeout, run_first
 from tritonbn._core.call import in_backward, settings_for
 from tritonbn.backend import ops_for
 from tritonbn.distributed import Relay, resolve_group
@@ -229,12 +229,22 @@ class join:  # noqa: N801 - used like a function: ``with tritonbn.join(model):``
         ddp = [self.model] if isinstance(self.model, DistributedDataParallel) else []
         order = [*ddp, *self.joinables]
         if ours is not None:
-            # First, so that a joined rank starts its thread before DDP's hook waits for the gradients (which wait
-            # for the layers' backward): Join's per-iteration count is then ours, notified before each forward.
-            order = [ours, *order]
-            self._hook = self.model.register_forward_pre_hook(functools.partial(_notify, ours))
+            # Join's per-iteration count is its first joinable's, notified before each forward. With DDP, DDP's:
+            # its reducer divides the gradients by that count (divide_by_initial_world_size=False), and its forward
+            # raises for throw_on_early_termination, as under Join([ddp, ...]). Without DDP, ours, notified by a
+            # forward pre-hook of the model (a ZeroRedundancyOptimizer notifies only in step(), after the layers'
+            # collectives).
+            if ddp:
+                order.append(ours)
+            else:
+                order.insert(0, ours)
+                self._hook = self.model.register_forward_pre_hook(functools.partial(_notify, ours))
         if order:
             self._join = Join(order, **self.join_kwargs)
+            if ours is not None:
+                # Our hook runs first all the same, so that a joined rank starts its thread before DDP's hook waits
+                # for the gradients (which wait for the layers' backward, and so for that thread).
+                run_first(self._join, order.index(ours))
             self._join.__enter__()
         return self
 
