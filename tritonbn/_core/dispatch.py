@@ -1,11 +1,13 @@
 """The one dispatch: every call of the module and of the functional form goes through :func:`run`.
 
 A call is checked (:mod:`tritonbn._core.checks`, and with ``TRITONBN_DEBUG=1`` the signature check across ranks,
-:mod:`tritonbn._signature`), then runs one of four ways, each over the same two passes
+:mod:`tritonbn._signature`), then runs one of five ways, each over the same two passes
 (:mod:`tritonbn._core.passes`, where the data path and the gradient derivation are written out):
 
 * under an exporting tracer (``torch.export``, ONNX, ``jit.trace``): torch's own ops (:mod:`tritonbn._core.lowering`);
-* compiled, traced, or under a transform or dispatch mode: the custom ops (:mod:`tritonbn._core.custom_ops`);
+* under a ``torch.func`` transform (``vmap``, ``grad``, ...): torch's own ops, which functorch batches
+  (:func:`tritonbn._core.lowering.under_transform`; a layer that would synchronize raises an error naming the way out);
+* compiled, traced, or under a dispatch mode: the custom ops (:mod:`tritonbn._core.custom_ops`);
 * eager, with autograd: :class:`tritonbn._core.eager.EagerBatchNormFunction`, straight over the launchers (on the
   PyTorch backend, a layer that synchronizes with nobody runs torch's own ops instead, which autograd records
   itself: :func:`tritonbn.backends.torch.local.recorded`);
@@ -30,16 +32,10 @@ from tritonbn._core.call import LayerSettings, Operands, in_backward, synchroniz
 from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call, check_traced_call
 from tritonbn._core.custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD
 from tritonbn._core.eager import apply_eager
-from tritonbn._core.lowering import exporter, lowered
+from tritonbn._core.lowering import exporter, lowered, under_transform
 from tritonbn._core.passes import forward_pass
 from tritonbn._signature import check_signature, debug_enabled, signature
 from tritonbn.backend import ops_for
-
-_TRANSFORMS = (
-    "tritonbn does not support torch.func transforms (vmap, grad, jvp, jacrev, jacfwd, hessian): use "
-    "torch.autograd.grad (create_graph=True for higher orders) and torch.autograd.forward_ad instead, "
-    "or torch.func.functional_call, which runs without a transform"
-)
 
 
 def is_eager(x: torch.Tensor) -> bool:
@@ -100,8 +96,8 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     if compiling or not is_eager(input):
         if t.sink is not None:
             raise RuntimeError(ACCUMULATE_EAGER_ONLY)
-        if not compiling and functorch_transforms_active():
-            raise RuntimeError(_TRANSFORMS)
+        if not compiling and functorch_transforms_active():  # torch's own ops, which the transform batches
+            return under_transform(settings, t)
         function = SyncBatchNormFunction
         if forward_ad_active():
             if compiling:

@@ -85,6 +85,12 @@ def lowered(how: str, layer, operands):
         if num_batches_tracked is not None and running_mean is not None:
             num_batches_tracked.add_(1)
     momentum = layer.momentum if layer.training and layer.momentum is not None else 0.0
+    return in_torch_ops(layer, input, weight, bias, running_mean, running_var, residual, mask, momentum)
+
+
+def in_torch_ops(layer, input, weight, bias, running_mean, running_var, residual, mask, momentum):
+    """``act(batch_norm(input) + residual)`` in torch's own ops, ``momentum`` the running statistics' factor (what
+    export tracers record, and what torch.func transforms batch and differentiate: :func:`under_transform`)."""
     out_dtype = input.dtype
     half_stats = layer.training and running_mean is not None and running_mean.dtype != torch.float32
     if input.dtype in (torch.float16, torch.bfloat16) and not half_stats:
@@ -104,6 +110,55 @@ def lowered(how: str, layer, operands):
     if mask is not None:
         y = y.masked_fill(~mask.unsqueeze(1), 0)
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+TRANSFORM_SYNC = (
+    "tritonbn: a training-mode SyncBatchNorm ({name}) cannot run under a torch.func transform (vmap, grad, jvp, "
+    "jacrev, jacfwd, hessian) while it synchronizes its statistics over a process group of {ranks} ranks. Call it "
+    "without the transform (torch.func.functional_call runs none; torch.autograd.grad and torch.autograd.forward_ad "
+    "give gradients and tangents across ranks), put the layer in eval, or tritonbn.revert_sync_batchnorm(model) for "
+    "BatchNorm over each rank's own batch"
+)
+TRANSFORM_MASK = (
+    "tritonbn: masked BatchNorm (mask= or lengths=) cannot run under a torch.func transform (vmap, grad, jvp, "
+    "jacrev, jacfwd, hessian): call it without the transform (torch.autograd.grad and torch.autograd.forward_ad "
+    "give its gradients)"
+)
+
+
+def under_transform(layer, operands):
+    """One call under a ``torch.func`` transform, in torch's own ops, which functorch batches and differentiates.
+
+    What ``nn.BatchNorm*d`` computes there, as its forward computes it: eval with the running statistics, training
+    with the batch's (each vmapped slice its own) updating the running statistics in place, ``momentum=None`` the
+    cumulative average. Where torch's module fails (a running-statistics update that a ``grad`` transform captured,
+    or that ``vmap`` would batch into an unbatched buffer), this fails with torch's error, named as tritonbn's. A
+    layer that would synchronize across ranks, and a masked call, raise an error naming the way out.
+    """
+    t = operands
+    if t.mask is not None:
+        raise RuntimeError(TRANSFORM_MASK)
+    if layer.group is not None:
+        raise RuntimeError(TRANSFORM_SYNC.format(name=layer.name or "functional call", ranks=layer.group.size()))
+    running_mean, running_var, count = t.running_mean, t.running_var, t.num_batches_tracked
+    momentum = 0.0
+    try:
+        if layer.training and running_mean is not None:
+            if count is not None:
+                count.add_(1)
+            momentum = layer.momentum if layer.momentum is not None else 1.0 / float(count)
+        return in_torch_ops(layer, t.input, t.weight, t.bias, running_mean, running_var, t.residual, None, momentum)
+    except RuntimeError as error:
+        if not layer.training or running_mean is None:
+            raise
+        raise RuntimeError(
+            f"tritonbn: a training-mode SyncBatchNorm ({layer.name or 'functional call'}) cannot update its running "
+            "statistics under this torch.func transform, as torch's nn.BatchNorm2d cannot (an in-place update of a "
+            "buffer the transform captured, or momentum=None's count read on the host): call "
+            "torch.func.replace_all_batch_norm_modules_(model) first (no running statistics), put the layer in eval, "
+            "or, under vmap, pass stacked running statistics (functional_call with stack_module_state) with a float "
+            f"momentum. torch says: {error}"
+        ) from error
 
 
 def script_error(module: nn.Module) -> RuntimeError:
