@@ -148,10 +148,12 @@ class SyncBatchNorm(_BatchNorm):
         self,
         input: torch.Tensor,
         residual: torch.Tensor | None = None,
-        *,
+        *exported,
         mask: torch.Tensor | None = None,
         lengths=None,
     ) -> torch.Tensor:
+        if exported:  # the legacy ONNX exporter's defaults, passed positionally (see exported_keywords)
+            mask, lengths = exported_keywords(self, exported, mask, lengths)
         if type(input) is not torch.Tensor or (residual is not None and type(residual) is not torch.Tensor):
             traced = trace_as_leaf(self, input, residual, mask=mask, lengths=lengths)  # a Proxy: under torch.fx
             if traced is not None:
@@ -236,7 +238,9 @@ class SyncBatchNormAct(SyncBatchNorm):
         self.drop = drop if drop is not None else nn.Identity()
         self.act = act if act is not None else nn.Identity()
 
-    def forward(self, input: torch.Tensor, *, mask: torch.Tensor | None = None, lengths=None) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, *exported, mask: torch.Tensor | None = None, lengths=None) -> torch.Tensor:
+        if exported:
+            mask, lengths = exported_keywords(self, exported, mask, lengths)
         traced = trace_as_leaf(self, input, mask=mask, lengths=lengths)
         if traced is not None:
             return traced
@@ -244,6 +248,22 @@ class SyncBatchNormAct(SyncBatchNorm):
             mask = mask_from_lengths(input, lengths, mask)
         y = self.act(self.drop(self._normalize(input) if mask is None else self._normalize(input, None, mask)))
         return y if mask is None else y.masked_fill(~mask.unsqueeze(1), 0)  # 0 after any activation too
+
+
+def exported_keywords(module: nn.Module, exported: tuple, mask, lengths) -> tuple:
+    """``(mask, lengths)`` of a call that ``torch.onnx.export(dynamo=False)`` makes on a bare layer.
+
+    That exporter fills in every parameter of ``forward`` that the example leaves out, keyword-only ones included,
+    positionally and in order (``_decide_input_format``): a layer exported alone is called ``forward(x, None, mask,
+    lengths)``. Those two take the place of the keywords there; anywhere else ``mask`` and ``lengths`` are
+    keyword-only, as the signature says.
+    """
+    if len(exported) > 2 or mask is not None or lengths is not None or not torch.onnx.is_in_onnx_export():
+        raise TypeError(
+            f"{type(module).__name__}.forward() takes the input (and, for SyncBatchNorm, a residual) positionally; "
+            f"pass mask= and lengths= by keyword (got {len(exported)} more positional arguments)"
+        )
+    return (*exported, None)[:2]
 
 
 def trace_as_leaf(module: nn.Module, *args, **kwargs) -> fx.Proxy | None:
