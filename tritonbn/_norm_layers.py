@@ -51,10 +51,10 @@ def why_not_converted(module: nn.Module) -> str | None:
     """Why ``module``, a BatchNorm, cannot become a tritonbn module that computes the same; ``None`` if it can."""
     if type(module) in PLAIN or is_timm_norm_act(module):
         return None
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+        return "uninitialized lazy module: call the model once (a dry run) before converting"
     if not isinstance(module, PLAIN):
         return "not a BatchNorm1d/2d/3d or SyncBatchNorm"
-    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
-        return "uninitialized lazy module"
     if forward_owner(module) not in PLAIN and forward_owner(module) is not _BatchNorm:
         return f"own forward ({forward_owner(module).__name__}.forward)"
     if next(module.children(), None) is not None:
