@@ -145,7 +145,7 @@ def test_vmap_over_an_ensemble_in_training_updates_each_members_statistics(backe
 
 def test_transforms_that_torch_refuses_in_training_are_refused_by_name(backend_name):
     """Running statistics that ``grad`` captured, or that ``vmap`` would batch into an unbatched buffer: torch's
-    module fails, and tritonbn's fails too, with an error that names tritonbn and the way out."""
+    module fails, and tritonbn's fails too, with an error that names tritonbn and the way out, changing no buffer."""
     x, xs = _x(5, C, 2, 3), _x(2, 5, C, 2, 3)
     for side, layer in enumerate(_pair()):
         params = {k: v.detach() for k, v in layer.named_parameters()}
@@ -154,6 +154,7 @@ def test_transforms_that_torch_refuses_in_training_are_refused_by_name(backend_n
             grad(lambda p, layer=layer: functional_call(layer, p, (x,)).sum())(params)
         with pytest.raises(RuntimeError, match=match):
             vmap(layer)(xs)
+    _same_state(_pair()[0], layer)  # tritonbn's refused calls changed no buffer
 
 
 def test_training_under_a_transform_that_would_synchronize_is_refused(backend_name, monkeypatch):

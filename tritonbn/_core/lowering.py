@@ -141,16 +141,19 @@ def under_transform(layer, operands):
     if layer.group is not None:
         raise RuntimeError(TRANSFORM_SYNC.format(name=layer.name or "functional call", ranks=layer.group.size()))
     running_mean, running_var, count = t.running_mean, t.running_var, t.num_batches_tracked
-    momentum = 0.0
+    momentum, counted = 0.0, False
     try:
         if layer.training and running_mean is not None:
             if count is not None:
                 count.add_(1)
+                counted = True
             momentum = layer.momentum if layer.momentum is not None else 1.0 / float(count)
         return in_torch_ops(layer, t.input, t.weight, t.bias, running_mean, running_var, t.residual, None, momentum)
     except RuntimeError as error:
         if not layer.training or running_mean is None:
             raise
+        if counted:  # a refused call changes no buffer (torch's module leaves its count one higher under vmap)
+            count.sub_(1)
         raise RuntimeError(
             f"tritonbn: a training-mode SyncBatchNorm ({layer.name or 'functional call'}) cannot update its running "
             "statistics under this torch.func transform, as torch's nn.BatchNorm2d cannot (an in-place update of a "
