@@ -139,7 +139,8 @@ def under_transform(layer, operands):
     if t.mask is not None:
         raise RuntimeError(TRANSFORM_MASK)
     if layer.group is not None:
-        raise RuntimeError(TRANSFORM_SYNC.format(name=layer.name or "functional call", ranks=layer.group.size()))
+        ranks = layer.group.size() if hasattr(layer.group, "size") else "several"  # (tritonbn.join's relay: the world)
+        raise RuntimeError(TRANSFORM_SYNC.format(name=layer.name or "functional call", ranks=ranks))
     running_mean, running_var, count = t.running_mean, t.running_var, t.num_batches_tracked
     momentum, counted = 0.0, False
     try:
