@@ -182,7 +182,7 @@ class join:  # noqa: N801 - used like a function: ``with tritonbn.join(model):``
 
     ``model``: a ``DistributedDataParallel`` or a plain module holding :class:`tritonbn.SyncBatchNorm` layers.
     ``joinables``: other torch ``Joinable`` objects. ``join_kwargs``: ``Join``'s (``divide_by_initial_world_size``,
-    ``enable``, ``throw_on_early_termination``).
+    ``enable``, ``throw_on_early_termination``), which behave as under ``Join([model, *joinables], **join_kwargs)``.
     """
 
     def __init__(self, model: nn.Module, *joinables, **join_kwargs) -> None:
