@@ -23,6 +23,7 @@ if DEVICE == "cpu":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from dist import pooled  # noqa: E402
 from fast_interpreter import install as faster_interpreter  # noqa: E402
 
 from tritonbn import backend  # noqa: E402
@@ -43,6 +44,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "distributed" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rank_pools():
+    """The gloo ranks a module spawns are kept for its later runs (tests/helpers/dist.py), closed at its end."""
+    with pooled():
+        yield
 
 
 @pytest.fixture(params=["triton", "torch"])
