@@ -223,30 +223,39 @@ def _spawn(backend, names, debug=False, accumulate=False):
         return load_ranks(out_dir, WORLD)
 
 
-EAGER = [n for n in LOOPS if not n.startswith("compiled")]
+# The property (one collective per pass, a replay bitwise equal to the first forward) lives above the backend: every
+# loop runs on the PyTorch backend, and the kernels (under the interpreter) take one loop per checkpoint mechanism,
+# the ledger on a checkpoint frame (non-reentrant) and on the Function that recomputes (reentrant).
+KERNEL_LOOPS = ["nonreentrant", "reentrant"]
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_one_collective_per_pass(backend):
-    results = _spawn(backend, list(LOOPS))
-    _check(results, list(LOOPS))
+@pytest.mark.parametrize("backend, names", [("torch", list(LOOPS)), ("triton", KERNEL_LOOPS)], ids=["torch", "triton"])
+def test_one_collective_per_pass(backend, names):
+    results = _spawn(backend, names)
+    _check(results, names)
     plain = results[0]["plain"][0]["calls"]
     assert len(plain) == 2 * 4, plain  # 4 calls of tritonbn layers per step, one all-reduce per pass each
-    assert len(results[0]["micro_plain"][0]["calls"]) == 2 * 2 * 4
+    if "micro_plain" in results[0]:
+        assert len(results[0]["micro_plain"][0]["calls"]) == 2 * 2 * 4
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_debug_mode(backend):
+DEBUG_LOOPS = ["nonreentrant", "reentrant", "selective_recompute", "micro_nonreentrant", "compiled"]
+
+
+@pytest.mark.parametrize("backend, names", [("torch", DEBUG_LOOPS), ("triton", ["reentrant"])], ids=["torch", "triton"])
+def test_debug_mode(backend, names):
     """With TRITONBN_DEBUG=1 a recompute that replays makes no signature check either (a collective): every rank
     skips it alike, and the counts still match."""
-    names = ["nonreentrant", "reentrant", "selective_recompute", "micro_nonreentrant", "compiled"]
     _check(_spawn(backend, names, debug=True), names)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_accumulate_stats(backend):
+ACCUMULATE_LOOPS = ["nonreentrant", "reentrant", "micro_nonreentrant", "micro_reentrant"]
+
+
+@pytest.mark.parametrize("backend, names", [("torch", ACCUMULATE_LOOPS), ("triton", ["micro_reentrant"])],
+                         ids=["torch", "triton"])  # fmt: skip
+def test_accumulate_stats(backend, names):
     """Under accumulate_stats (eager only: no selective checkpointing's dispatch modes) a recompute adds nothing."""
-    names = ["nonreentrant", "reentrant", "micro_nonreentrant", "micro_reentrant"]
     _check(_spawn(backend, names, accumulate=True), names)
 
 
