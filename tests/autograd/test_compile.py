@@ -86,7 +86,7 @@ def test_compile_aot_eager(backend_name):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("gcc") is None, reason="inductor needs a C++ compiler")
-@pytest.mark.parametrize("backend_name", ["triton"], indirect=True)
+@pytest.mark.parametrize("backend_name", ["torch"], indirect=True)  # the kernels under a compiler: aot_eager above
 def test_compile_inductor(backend_name, tmp_path, monkeypatch):
     # A fresh cache: torch's on-disk caches do not key on a custom op's fake implementation, so an
     # entry left by an older tritonbn (another stats shape) would be reused.
@@ -126,7 +126,7 @@ def _rank_compile(rank, world, out_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("backend_name", ["triton", "torch"], indirect=True)
+@pytest.mark.parametrize("backend_name", ["torch"], indirect=True)  # the kernels across ranks: tests/distributed
 def test_compile_across_ranks(backend_name, tmp_path):
     spawn(2, _rank_compile, str(tmp_path))
     ranks = load_ranks(str(tmp_path), 2)
