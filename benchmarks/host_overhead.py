@@ -30,7 +30,8 @@ alone, on CPU tensors, without a GPU:
   that the convolutions read ordinary numbers (uninitialized memory slowed them down), and denormals
   are flushed.
 
-``--json FILE`` writes ``tritonbn_us``, ``reference_us``, ``ratio`` and
+``--results benchmarks/RESULTS.md`` writes the case table and the stages there, between the ``host-overhead``
+markers. ``--json FILE`` writes ``tritonbn_us``, ``reference_us``, ``ratio`` and
 ``launches_per_training_pass`` (plus the rest). ``--max-ratio R`` exits with status 1 when ``ratio``
 exceeds ``R``; ``.ci/run`` uses it (see docs/performance.md, "Host overhead", for how the bound was chosen).
 
@@ -66,6 +67,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from results_file import write_section  # noqa: E402
 
 import tritonbn  # noqa: E402
 from tritonbn import backend  # noqa: E402
@@ -507,6 +510,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds per case (default 40)")
     parser.add_argument("--inner", type=int, default=50, help="calls per timed block (default 50)")
     parser.add_argument("--no-resnet", action="store_true", help="skip the ResNet-50 model")
+    parser.add_argument("--results", help="also write the case table into this RESULTS.md, between the "
+                        "host-overhead markers")  # fmt: skip
     args = parser.parse_args(argv)
     setup()
 
@@ -580,7 +585,10 @@ def main(argv=None) -> int:
         result["resnet50_layer_forward_us"] = layer_forwards_in_and_out_of_the_model(
             tbn_model, ref_model, max(10, args.rounds // 2)
         )
+    result["load_average"] = os.getloadavg()
     print(markdown(result))
+    if args.results:
+        write_section(args.results, "host-overhead", results_section(result, args.no_resnet))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -596,6 +604,20 @@ def main(argv=None) -> int:
         )
         failed = True
     return 1 if failed else 0
+
+
+def results_section(r: dict, no_resnet: bool) -> str:
+    """The RESULTS.md section (``--results``): the run, its load, the case table and the stages in one line."""
+    load = ", ".join(f"{v:.1f}" for v in r["load_average"])
+    cases = markdown(r).split("\n\n| stage")[0]
+    stages = "; ".join(f"{name} {us:.1f}" for name, us in r["stages_us"].items())
+    return (
+        f"Written by `python benchmarks/host_overhead.py{' --no-resnet' if no_resnet else ''} --results ...`; "
+        f"load average {load} at the end.\n\n{cases}\n\nStages of the stubbed training forward+backward, µs: "
+        f"{stages} (an empty Python autograd Function: {r['autograd_floor_us']:.1f}). Per launch: "
+        f"{r['launch_us']:.1f} µs on tritonbn's direct path, {r['binding_us_per_launch']:.1f} through Triton's "
+        "`JITFunction.run`.\n"
+    )
 
 
 def markdown(r: dict) -> str:

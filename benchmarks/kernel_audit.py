@@ -657,7 +657,9 @@ def _fmt(v, spec="") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def markdown(rows: list[dict], meta: dict, every_launch: bool = True) -> str:
+    """The audit as markdown: the summary, then (``every_launch``) a row per launch. The RESULTS.md section
+    leaves the launches out (DIR/kernel_audit.md has them) to keep that file short."""
     head = (
         "| mode | launch | kernel | layout | dtype | shape | grid | warps | tile | regs | spill B | warps/SM "
         "| ld bits | st bits | round trips | SASS/elem | tail KB | tail iters | tail trips |"
@@ -676,6 +678,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         *summary(rows),
         "",
+    ]
+    if not every_launch:
+        return "\n".join([*lines, "Every launch: `DIR/kernel_audit.md` and `DIR/kernel_audit.json` of the run.", ""])
+    lines += [
         "<details><summary>Every launch</summary>",
         "",
         head,
@@ -1065,6 +1071,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "kernel_audit.json"), "w") as f:
         json.dump(rows, f, indent=1)
     md = markdown(rows, meta)
+    section = markdown(rows, meta, every_launch=False)
     if args.model:
         counts = {"x".join(map(str, sh)): n for sh, n in distinct_bn_shapes(32)}
         counts.update({"x".join(map(str, sh)): counts.get("x".join(map(str, sh)), 1) for sh in shapes})
@@ -1075,11 +1082,12 @@ def main(argv=None) -> int:
             json.dump(m, f, indent=1)
         mmd = model_markdown(m, args.quick)
         md = md.rstrip("\n") + "\n\n" + mmd + "\n"
+        section = section.rstrip("\n") + "\n\n" + mmd + "\n"
         print(mmd)
     with open(os.path.join(args.out, "kernel_audit.md"), "w") as f:
         f.write(md)
     if args.results:
-        write_section(args.results, "kernel-audit-masked" if args.masked else "kernel-audit", md)
+        write_section(args.results, "kernel-audit-masked" if args.masked else "kernel-audit", section)
     print("\n".join(summary(rows)))
     print(f"kernel_audit: {len(rows)} rows in {time.time() - t0:.0f} s -> {args.out}/kernel_audit.json and .md")
     return 0

@@ -1,6 +1,9 @@
 """Turn pytest-benchmark JSON into DIR/RESULTS.md, DIR/results.csv and plots drawn from that CSV.
 
-    python benchmarks/report.py results.json [more.json ...] --out DIR
+    python benchmarks/report.py results.json [more.json ...] --out DIR [--results benchmarks/RESULTS.md]
+
+``--results`` also writes a summary (each table's range per mode, the collective bytes, the plots) into
+that file, between the ``benchmark-suite`` markers; every row stays in DIR/RESULTS.md.
 
 The plots (time and GB/s against activation size, one line per provider) need matplotlib, the
 ``plot`` extra; without it the table is still written.
@@ -15,6 +18,9 @@ import math
 import os
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_file import write_section  # noqa: E402
 
 PROVIDERS = ["tritonbn", "tritonbn_local", "torch_sync", "cudnn", "tritonbn_torch"]
 LABELS = {
@@ -117,6 +123,71 @@ def collective_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    lo, hi = _fmt(min(values)), _fmt(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+SUITES = {"resnet50": "ResNet-50 shapes", "sweep": "size sweep", "epilogue": "fused relu(bn(x) + residual)"}
+
+
+def results_section(rows: list[dict], plots: list[str]) -> str:
+    """The ``--results`` section: per table and mode, the range of each provider's median over the rows."""
+    first = rows[0]
+    interpreted = str(first.get("interpreter")) == "1"
+    providers = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    lines = [
+        "## Benchmark suite" + (" (CPU smoke run, Triton interpreter)" if interpreted else ""),
+        "",
+        f"`pytest benchmarks --benchmark-json F`, then `python benchmarks/report.py F --out DIR --results ...` "
+        f"(every row in DIR/RESULTS.md). Measured on **{first['device']}** on {first['date']}, torch "
+        f"{first['torch']}, triton {first['triton']}, tritonbn {first['tritonbn']}; copy bandwidth "
+        f"{_fmt(first.get('copy_gbps'))} GB/s; load not recorded.",
+    ]
+    if interpreted:
+        lines += [
+            "Small shapes, the kernels under the Triton interpreter: the times measure the interpreter and say "
+            "nothing about GPUs; `torch.nn.SyncBatchNorm` refuses CPU tensors in training.",
+        ]
+    lines += [
+        "",
+        "| table | mode | cases | " + " | ".join(f"{p} ms" for p in providers) + " | launches |",
+        "|" + "---|" * (len(providers) + 4),
+    ]
+    for suite, title in SUITES.items():
+        for mode in ("eval", "forward", "forward_backward"):
+            sel = [r for r in rows if r["suite"] == suite and r["mode"] == mode]
+            if not sel:
+                continue
+            cases = {(r["shape"], r["layout"], r["dtype"]) for r in sel}
+            spans = [_span([float(r["median_ms"]) for r in sel if r["provider"] == p]) for p in providers]
+            launches = "/".join(
+                _span([float(r["launches"]) for r in sel if r["provider"] == p and r.get("launches") not in (None, "")])
+                for p in providers
+            )
+            lines.append(f"| {title} | {mode} | {len(cases)} | " + " | ".join(spans) + f" | {launches} |")
+    channels = sorted({int(r["shape"].split("x")[1]) for r in rows if r["suite"] == "resnet50"})
+    lines += [
+        "",
+        "launches: per pass, for " + " / ".join(providers) + ".",
+        "",
+        "**Collective bytes per rank and training step** (from the message layouts): tritonbn all-reduces 2C+1 "
+        "fp64 forward and 2C fp32 backward at any world size W; torch.nn.SyncBatchNorm all-gathers W x (2C+1) "
+        "fp32 forward.",
+        "",
+        "| C | W | tritonbn forward | torch forward | tritonbn backward | torch backward |",
+        "|---|---|---|---|---|---|",
+    ]
+    for C in channels:
+        torch_forward = " / ".join(str(4 * W * (2 * C + 1)) for W in (2, 8, 64))
+        lines.append(f"| {C} | 2 / 8 / 64 | {8 * (2 * C + 1)} | {torch_forward} | {8 * C} | {8 * C} |")
+    if plots:
+        lines += ["", *[f"![{p}]({p})" for p in plots]]
+    return "\n".join(lines) + "\n"
+
+
 def targets(rows: list[dict]) -> list[str]:
     """The GPU targets, checked against this run's figures."""
     by = defaultdict(dict)
@@ -190,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", nargs="+", help="pytest-benchmark JSON files (pytest benchmarks --benchmark-json FILE)")
     parser.add_argument("--out", required=True, help="directory for RESULTS.md, results.csv and the plots")
+    parser.add_argument("--results", help="also write a summary into this RESULTS.md, between the benchmark-suite "
+                        "markers")  # fmt: skip
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rows = [row for path in args.json for row in load_rows(path)]
@@ -245,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["## Plots", "", *[f"![{p}]({p})" for p in plots], ""]
     with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
         f.write("\n".join(lines))
+    if args.results:
+        write_section(args.results, "benchmark-suite", results_section(rows, plots))
     print(f"report: wrote {os.path.join(args.out, 'RESULTS.md')}, results.csv and {len(plots)} plot(s)")
     return 0
 
