@@ -31,7 +31,8 @@ EPILOGUES = {
 
 
 @pytest.mark.parametrize("name", cpu_nets.NETS)
-def test_nets_convert_and_train(name):
+def test_nets_convert_and_train(name, monkeypatch):
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")  # what the script runs (conversion lives above the backend)
     torch.manual_seed(0)
     model = cpu_nets.build(name, small=True)
     layers = BN_LAYERS[name.partition("_")[0]]
