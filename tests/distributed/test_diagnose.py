@@ -288,7 +288,7 @@ def test_doctor_console_script(tmp_path):
 def test_demo_runs(tmp_path):
     env = dict(os.environ, TRITONBN_BACKEND="triton")  # the kernels, under the interpreter
     result = subprocess.run(
-        [sys.executable, "-m", "tritonbn", "demo", "--steps", "3"], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "tritonbn", "demo", "--steps", "1"], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
