@@ -37,7 +37,37 @@ def pytest_configure(config):
         torch.set_default_device(DEVICE)
 
 
+# The inner tier, ``pytest -m "not slow"`` (docs/contributing.md), leaves these out: test files (a path under tests/)
+# or single tests (a node id's start) that compile for GPUs, start scripts or train whole networks.
+SLOW = (
+    "kernels/test_aot_compile.py",
+    "kernels/test_kernel_audit.py",
+    "kernels/test_kernel_audit_masked.py",
+    "kernels/test_launch.py",
+    "autograd/test_crash_hunt.py",
+    "autograd/test_compile.py",
+    "cli/",
+    "distributed/test_checkpoint_loops.py",
+    "distributed/test_diagnose.py",
+    "distributed/test_scaling.py",
+    "distributed/test_masked_ranks.py",
+    "distributed/test_accumulate.py",
+    "distributed/test_groups.py",
+    "integrations/test_lightning.py",
+    "integrations/test_mmengine.py",
+    "integrations/test_export.py::test_aot_inductor_package_runs_on_cpu",
+    "api/test_versions.py",
+    "api/test_docs.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    root = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        if os.path.relpath(str(item.path), root).replace(os.sep, "/").startswith(SLOW) or any(
+            item.nodeid.split("tests/", 1)[-1].startswith(s) for s in SLOW if "::" in s
+        ):
+            item.add_marker(pytest.mark.slow)
     if DEVICE == "cpu":
         return
     skip = pytest.mark.skip(reason=f"gloo multi-rank tests run on CPU only (TRITONBN_TEST_DEVICE={DEVICE})")
