@@ -167,6 +167,51 @@ def recorded(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     return _epilogue(layer, y, residual, True)
 
 
+def _eval_types(x: torch.Tensor, weight, bias, running_mean, running_var) -> bool:
+    """Whether torch's eval kernel takes these dtypes as they are: the parameters and buffers all of ``x``'s type, or
+    all float32 beside a 16-bit ``x`` (its mixed-type form)."""
+    dtype = running_mean.dtype
+    if dtype != x.dtype and not (dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    return (
+        running_var.dtype == dtype
+        and (weight is None or weight.dtype == dtype)
+        and (bias is None or bias.dtype == dtype)
+    )
+
+
+def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_stats):
+    """``(y, mean, invstd, None)`` of an eval call with running statistics (``mean`` and ``invstd`` ``None`` unless
+    ``save_stats``), or ``None`` where the packed path takes the call: an empty input, a layout torch's kernels do
+    not keep, parameters of mixed types, or a 16-bit kink (:func:`_rounds_a_kink`).
+
+    ``y`` is torch's own eval kernel over ``x`` itself, one native pass, as ``nn.BatchNorm2d``'s: ``y = x * alpha
+    + beta`` with ``alpha = w * invstd(running_var)`` and ``beta = b - running_mean * alpha``, in float32 for
+    float32 and 16-bit inputs and in float64 for float64 ones (there ``y`` is ``F.batch_norm``'s, to the bit); the
+    epilogue follows in place (:func:`_epilogue`). What a backward reads is the packed path's (``mean`` the running
+    mean in float64, ``invstd`` from the running variance), so the eager Function and the custom ops that
+    ``torch.compile`` traces run this same function and agree bitwise.
+
+    Precision: no shifted copy of ``x`` is made (only the statistics need one). ``x * alpha`` and ``beta`` are each
+    rounded once at the size of ``|x| * |alpha|``, so ``y`` is within a few ulp of ``|x| * |alpha|``: at ``|mean| /
+    std = K`` about ``K`` ulp of ``y``, the same size as the rounding that ``x`` itself carries there (a float32
+    ``x`` near ``K`` standard deviations from 0 is stored to ``K`` ulp of a standard deviation). The float64 test
+    holds it to that bound at ``K = 1e3`` (``tests/autograd/test_torch_eval.py``).
+    """
+    if not (x.numel() and _native_layout(x) and _eval_types(x, weight, bias, running_mean, running_var)):
+        return None
+    if _rounds_a_kink(layer, x, residual):
+        return None
+    y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
+    if residual is not None or layer.activation is not None:
+        y = _epilogue(layer, y, residual, False)
+    if not save_stats:
+        return y, None, None, None
+    mean = running_mean.to(torch.float64, copy=True)  # an output of its own, never the running buffer
+    invstd = _as((running_var.double() + layer.eps).rsqrt_(), compute_dtype(x.dtype))  # as the packed path's
+    return y, mean, invstd, None
+
+
 def forward(
     layer, x, weight, bias, running_mean, running_var, num_batches_tracked, save_stats, stats_sink, residual=None
 ):
