@@ -50,6 +50,7 @@ from tritonbn.activations import output_gives_grad
 from tritonbn.backends.torch.steps import (
     _act_backward,
     _activate_,
+    _constants_for,
     _first,
     _in_layout_of,
     _native_layout,
@@ -183,14 +184,16 @@ def _eval_types(x: torch.Tensor, weight, bias, running_mean, running_var) -> boo
 def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_stats):
     """``(y, mean, invstd, None)`` of an eval call with running statistics (``mean`` and ``invstd`` ``None`` unless
     ``save_stats``), or ``None`` where the packed path takes the call: an empty input, a layout torch's kernels do
-    not keep, parameters of mixed types, or a 16-bit kink (:func:`_rounds_a_kink`).
+    not keep, or parameters of mixed types.
 
     ``y`` is torch's own eval kernel over ``x`` itself, one native pass, as ``nn.BatchNorm2d``'s: ``y = x * alpha
     + beta`` with ``alpha = w * invstd(running_var)`` and ``beta = b - running_mean * alpha``, in float32 for
     float32 and 16-bit inputs and in float64 for float64 ones (there ``y`` is ``F.batch_norm``'s, to the bit); the
-    epilogue follows in place (:func:`_epilogue`). What a backward reads is the packed path's (``mean`` the running
-    mean in float64, ``invstd`` from the running variance), so the eager Function and the custom ops that
-    ``torch.compile`` traces run this same function and agree bitwise.
+    epilogue follows in place (:func:`_epilogue`). A 16-bit input with an epilogue takes the same kernel over a
+    float32 copy and the epilogue in float32, rounded once at the end, as the kernels and the export lowering
+    round (so no 16-bit rounding moves a kink: :func:`_rounds_a_kink` is a training matter). What a backward reads
+    is the packed path's (``mean`` the running mean in float64, ``invstd`` from the running variance), so the
+    eager Function and the custom ops that ``torch.compile`` traces run this same function and agree bitwise.
 
     Precision: no shifted copy of ``x`` is made (only the statistics need one). ``x * alpha`` and ``beta`` are each
     rounded once at the size of ``|x| * |alpha|``, so ``y`` is within a few ulp of ``|x| * |alpha|``: at ``|mean| /
@@ -200,11 +203,19 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
     """
     if not (x.numel() and _native_layout(x) and _eval_types(x, weight, bias, running_mean, running_var)):
         return None
-    if _rounds_a_kink(layer, x, residual):
-        return None
-    y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
-    if residual is not None or layer.activation is not None:
-        y = _epilogue(layer, y, residual, False)
+    acc = compute_dtype(x.dtype)
+    if x.dtype == acc or (residual is None and layer.activation is None):
+        y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
+        if residual is not None or layer.activation is not None:
+            y = _epilogue(layer, y, residual, False)
+    else:  # a 16-bit epilogue in float32, rounded once at the end (as the kernels and the export lowering round)
+        z = x.to(acc)
+        w, b, rm, rv = _as(weight, acc), _as(bias, acc), _as(running_mean, acc), _as(running_var, acc)
+        e1, e2 = _constants_for(x.shape[1], acc, x.device)[2:]
+        torch.native_batch_norm(z, w, b, rm, rv, False, 0.0, layer.eps, out=(z, e1, e2))  # in place, as _train_
+        if residual is not None:  # a 16-bit residual in float32 first: torch's mixed-type add_ is the slower pass
+            z.add_(_to(residual, acc))
+        y = _epilogue(layer, z, None, False).to(x.dtype)
     if not save_stats:
         return y, None, None, None
     mean = running_mean.to(torch.float64, copy=True)  # an output of its own, never the running buffer
