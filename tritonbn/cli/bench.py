@@ -19,8 +19,11 @@
    ``DIR/bench_model.csv`` and the bar chart ``DIR/bench_model.png`` (with matplotlib).
 
 Times are medians of ``--reps`` timed calls (CUDA events on a GPU, a wall clock on CPU) after
-``--warmup`` calls, the same number on every rank (the collectives must pair up). CPU times say
-nothing about a GPU: on CPU the defaults are small, to check the command and your model's shapes.
+``--warmup`` calls, the same number on every rank (the collectives must pair up). On CPU each provider is
+the module a user's model runs (``tritonbn.SyncBatchNorm`` with its group resolved as the module resolves it:
+no collective at world size 1; ``nn.BatchNorm*d``), eval under ``torch.no_grad()``, and on one rank the
+providers are called in turn, call by call, each row with its spread (interquartile range over the median).
+CPU times say nothing about a GPU: on CPU the defaults are small, to check the command and your model's shapes.
 """
 
 from __future__ import annotations
