@@ -126,9 +126,20 @@ def test_declines_where_the_packed_path_takes_the_call(evals):
 
 
 @pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_16_bit_activation_is_the_unfused_modules(evals, activation):
+    """bfloat16 with an activation and no residual: the values of ``nn.BatchNorm2d`` followed by the activation
+    module, to the bit (what the layer computed before conversion)."""
+    bn = _layer(5, torch.bfloat16, activation=activation)
+    x = torch.randn(3, 5, 7, 6).mul(3).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(bn(x), _reference(bn, x))
+    assert evals == {"taken": 1, "declined": 0}
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
 def test_16_bit_epilogue_rounds_once(evals, activation):
     """bfloat16 with a residual and an activation: the batch norm, the residual and the activation in float32 and
-    one rounding, within half an ulp (plus float32 rounding) of the float64 oracle."""
+    one rounding, within half an ulp (plus float32 rounding) of the float64 oracle, as the export lowering."""
     bn = _layer(5, activation=activation)  # float32 parameters and buffers, as under autocast
     x, r = (torch.randn(3, 5, 7, 6).mul(3).to(torch.bfloat16) for _ in range(2))
     with torch.no_grad():

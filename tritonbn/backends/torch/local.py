@@ -189,9 +189,11 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
     ``y`` is torch's own eval kernel over ``x`` itself, one native pass, as ``nn.BatchNorm2d``'s: ``y = x * alpha
     + beta`` with ``alpha = w * invstd(running_var)`` and ``beta = b - running_mean * alpha``, in float32 for
     float32 and 16-bit inputs and in float64 for float64 ones (there ``y`` is ``F.batch_norm``'s, to the bit); the
-    epilogue follows in place (:func:`_epilogue`). A 16-bit input with an epilogue takes the same kernel over a
-    float32 copy and the epilogue in float32, rounded once at the end, as the kernels and the export lowering
-    round (so no 16-bit rounding moves a kink: :func:`_rounds_a_kink` is a training matter). What a backward reads
+    epilogue follows in place (:func:`_epilogue`): for a 16-bit input without a residual, on the 16-bit output,
+    the very values of ``nn.BatchNorm2d`` followed by the activation module (as the training local path does). A
+    16-bit input with a residual takes the same kernel over a float32 copy, adds the residual and activates in
+    float32, and rounds once at the end, as the kernels and the export lowering do (so no 16-bit rounding of the
+    batch norm's output moves a kink of ``z``: :func:`_rounds_a_kink` is a training matter). What a backward reads
     is the packed path's (``mean`` the running mean in float64, ``invstd`` from the running variance), so the
     eager Function and the custom ops that ``torch.compile`` traces run this same function and agree bitwise.
 
@@ -204,11 +206,11 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
     if not (x.numel() and _native_layout(x) and _eval_types(x, weight, bias, running_mean, running_var)):
         return None
     acc = compute_dtype(x.dtype)
-    if x.dtype == acc or (residual is None and layer.activation is None):
+    if x.dtype == acc or residual is None:
         y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
         if residual is not None or layer.activation is not None:
             y = _epilogue(layer, y, residual, False)
-    else:  # a 16-bit epilogue in float32, rounded once at the end (as the kernels and the export lowering round)
+    else:  # a 16-bit residual: the sum in float32, rounded once at the end (as the kernels and the export lowering)
         z = x.to(acc)
         w, b, rm, rv = _as(weight, acc), _as(bias, acc), _as(running_mean, acc), _as(running_var, acc)
         e1, e2 = _constants_for(x.shape[1], acc, x.device)[2:]
