@@ -18,7 +18,7 @@
    speedup of tritonbn over the reference provider, and the total per training step), and writes
    ``DIR/bench_model.csv`` and the bar chart ``DIR/bench_model.png`` (with matplotlib).
 
-Times are medians of ``--reps`` timed calls (CUDA events on a GPU, a wall clock on CPU) after
+Times are medians of ``--reps`` timed calls (CUDA events on a GPU, the process's CPU time on CPU) after
 ``--warmup`` calls, the same number on every rank (the collectives must pair up). On CPU each provider is
 the module a user's model runs (``tritonbn.SyncBatchNorm`` with its group resolved as the module resolves it:
 no collective at world size 1; ``nn.BatchNorm*d``), eval under ``torch.no_grad()``, and on one rank the
@@ -170,7 +170,7 @@ def _autocast(device: torch.device, dtype: torch.dtype):
 
 
 class Timer:
-    """Median ms of ``reps`` calls after ``warmup``: CUDA events on a GPU, a wall clock on CPU; fixed counts.
+    """Median ms of ``reps`` calls after ``warmup``: CUDA events on a GPU, CPU time on CPU; fixed counts.
 
     :meth:`interleaved` times several cases call by call in turn (on CPU, where other work on the machine
     moves every case's times alike), and gives each its median and spread."""
@@ -207,11 +207,12 @@ def spread(times: list[float]) -> float:
 
 
 def time_ms(fn, device: torch.device) -> float:
-    """One call of ``fn`` in ms: CUDA events on a GPU (the call's own stream work), a wall clock on CPU."""
+    """One call of ``fn`` in ms: CUDA events on a GPU (the call's own stream work); on CPU the CPU time of this
+    process (all its threads: time that other jobs on the machine take from it does not count)."""
     if device.type != "cuda":
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        return (time.process_time() - t0) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
