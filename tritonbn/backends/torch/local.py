@@ -14,6 +14,10 @@ modules would (``benchmarks/cpu_train_step.py`` times both), in one of two forms
   with the ops autograd records for the activation, from the output where the forward kept it, or else from
   ``z`` made again by the same kernel over the same ``d`` (:func:`_grad_z`): both forms agree bitwise.
 
+In eval with running statistics nothing synchronizes either: :func:`evaluated` is then torch's own eval kernel over
+the input, one native pass as ``nn.BatchNorm2d``'s, its epilogue in place (the passes call it for every eval call
+without a mask, whether autograd records the call through the eager Function or not).
+
 ``layer`` is the layer's settings: its ``momentum`` and ``eps`` are read. The caller passes no running
 statistics for a forward that must not update them (an activation-checkpointing recompute).
 
