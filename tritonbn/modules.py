@@ -213,6 +213,12 @@ class SyncBatchNorm(_BatchNorm):
             self.__dict__[_CACHED] = settings
         return settings
 
+    def _apply(self, fn, *args, **kwargs):
+        """torch's ``.to()``, ``.cuda()``, ``.half()``: the parameters keep their identity and change device or dtype,
+        so the settings (and the checks they remember, :func:`tritonbn._core.checks.check_eager_call`) go."""
+        self.__dict__.pop(_CACHED, None)
+        return super()._apply(fn, *args, **kwargs)
+
     def __setattr__(self, name: str, value) -> None:
         if name in _SETTING_NAMES:
             self.__dict__.pop(_CACHED, None)

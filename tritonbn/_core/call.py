@@ -31,7 +31,8 @@ class LayerSettings:
     statistics). ``group`` is what training synchronizes over (``None``: this rank alone; always ``None`` in
     eval), ``debug_group`` what ``TRITONBN_DEBUG=1`` checks signatures over, and ``name`` the layer's identity
     in those checks. ``world`` is the default process group the groups were resolved against, so that a
-    module built before ``init_process_group`` resolves them again.
+    module built before ``init_process_group`` resolves them again. ``checked``: what the last eager call that
+    passed the checks looked like (:func:`tritonbn._core.checks.check_eager_call`), ``None`` before one.
     """
 
     training: bool
@@ -43,6 +44,7 @@ class LayerSettings:
     debug_group: object
     name: str
     world: object
+    checked: tuple | None = None
 
 
 def settings_for(

@@ -156,6 +156,40 @@ def check_call(settings, operands, num_features: int | None = None) -> None:
         raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
 
 
+def check_eager_call(settings, operands, num_features: int | None = None) -> None:
+    """:func:`check_call` for an eager call, skipped where the layer's last call passed it with the same input
+    shape, dtype and device, residual shape, dtype and device, and the very same parameter and buffer tensors.
+
+    What the checks read is then unchanged: the layer's settings are rebuilt (``checked`` empty) whenever one of
+    them changes, and whenever the module moves or converts its tensors (``SyncBatchNorm._apply``: ``.to()``
+    changes a parameter's device or dtype and keeps the tensor). A mask or an ``accumulate_stats`` sink is checked
+    every call. Only a parameter's ``.data`` set by hand to another shape goes unseen; torch's ops then raise.
+    """
+    t = operands
+    if t.mask is not None or t.sink is not None:
+        return check_call(settings, t, num_features)
+    x, r = t.input, t.residual
+    meta = (
+        (x.shape, x.dtype, x.device, num_features)
+        if r is None
+        else (x.shape, x.dtype, x.device, num_features, r.shape, r.dtype, r.device)
+    )
+    last = settings.checked
+    if (
+        last is not None
+        and last[0] == meta
+        and last[1] is t.weight
+        and last[2] is t.bias
+        and last[3] is t.running_mean
+        and last[4] is t.running_var
+        and last[5] is t.num_batches_tracked
+    ):
+        return None
+    check_call(settings, t, num_features)
+    settings.checked = (meta, t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked)
+    return None
+
+
 def check_traced_call(*args) -> None:
     """:func:`check_call` under ``torch.jit.trace`` (and the TorchScript ONNX exporter, which traces with it).
 

@@ -29,7 +29,7 @@ from tritonbn._compat import (
     torch_function_subclass,
 )
 from tritonbn._core.call import LayerSettings, Operands, in_backward, synchronizes_with_nobody
-from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call, check_traced_call
+from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call, check_eager_call, check_traced_call
 from tritonbn._core.custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD
 from tritonbn._core.eager import apply_eager
 from tritonbn._core.lowering import exporter, lowered, under_transform
@@ -78,7 +78,9 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
     how = exporter(compiling)  # THE export hook: the tracer recording this call, if any (it also picks the checks)
     try:
-        if how is None or compiling:
+        if how is None and not compiling:
+            check_eager_call(settings, t, num_features)
+        elif how is None:
             check_call(settings, t, num_features)
         else:  # jit.trace: sizes are traced values; the checks run on the example's, with the tracer paused
             check_traced_call(settings, t, num_features)

@@ -20,7 +20,9 @@ Backward (training)::
 On the PyTorch backend a layer that synchronizes with nobody (no process group, no mask) takes its local path
 instead, torch's own passes without the packed statistics, its epilogue in torch's own ops
 (:mod:`tritonbn.backends.torch.local`): here for the custom ops and calls that record no autograd; an eager
-call that records autograd runs the same ops before any Function (:mod:`tritonbn._core.dispatch`).
+call that records autograd runs the same ops before any Function (:mod:`tritonbn._core.dispatch`). In eval (running
+statistics, no mask) the PyTorch backend's forward is one native eval pass over ``x``, here for every call
+(:func:`tritonbn.backends.torch.local.evaluated`); its backward is the launchers' eval backward below.
 
 Each launcher is one kernel launch. Float64 inputs compute in float64 throughout (saved invstd and
 the backward sums too), so ``torch.autograd.gradcheck`` holds at its default tolerances.
@@ -83,6 +85,11 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
     """
     t = operands
     stats = None
+    if not settings.training and t.mask is None and backend.local is not None:  # eval: one native pass
+        rm, rv = t.running_mean, t.running_var
+        out = backend.local.evaluated(settings, t.input, t.weight, t.bias, rm, rv, t.residual, save_stats)
+        if out is not None:
+            return out
     if settings.training:
         backward = in_backward()
         if backward:

@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--world", type=int, default=1, help="ranks, one per GPU (default 1; a real process group)")
     bench.add_argument("--out", default="bench-model", help="folder for bench_model.csv and .png (default bench-model)")
     bench.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is available")
-    bench.add_argument("--warmup", type=int, default=None, help="untimed calls per case (default 5 on GPU, 1 on CPU)")
-    bench.add_argument("--reps", type=int, default=None, help="timed calls per case (default 30 on GPU, 3 on CPU)")
+    bench.add_argument("--warmup", type=int, default=None, help="untimed calls per case (default 5 on GPU, 3 on CPU)")
+    bench.add_argument("--reps", type=int, default=None, help="timed calls per case (default 30 on GPU, 25 on CPU)")
     bench.add_argument("--budget-s", type=float, default=None, help="stop starting new cases after this many seconds")
     doctor = sub.add_parser(
         "doctor",
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.world < 1:
             parser.error("--world must be at least 1")
         gpu = not args.cpu and _cuda_available()
-        args.warmup = (5 if gpu else 1) if args.warmup is None else args.warmup
-        args.reps = (30 if gpu else 3) if args.reps is None else args.reps
+        args.warmup = (5 if gpu else 3) if args.warmup is None else args.warmup
+        args.reps = (30 if gpu else 25) if args.reps is None else args.reps
         if args.reps < 1 or args.warmup < 0:
             parser.error("--reps must be at least 1 and --warmup at least 0")
         from tritonbn.cli.bench import main as bench_main

@@ -22,8 +22,12 @@ def table(result: dict) -> str:
     ours = next(n for n in names if n.startswith("tritonbn"))
     by: dict[tuple, dict] = {}
     for r in rows:
-        by.setdefault((r["shape"], r["dtype"], r["layout"], r["mode"]), {"row": r})[r["provider"]] = r.get("ms")
+        entry = by.setdefault((r["shape"], r["dtype"], r["layout"], r["mode"]), {"row": r, "spread": 0.0})
+        entry[r["provider"]] = r.get("ms")
+        entry["spread"] = max(entry["spread"], r.get("spread", 0.0))
+    spreads = any("spread" in r for r in rows)
     head = ["input", "dtype", "layout", "layers", "calls", "mode", *[f"{n} ms" for n in names], f"vs {ref}"]
+    head += ["spread"] if spreads else []
     lines = [head]
     totals = {(mode, n): 0.0 for mode in ("train", "eval") for n in names}
     complete = {key: True for key in totals}
@@ -37,11 +41,13 @@ def table(result: dict) -> str:
         speed = "-" if entry.get(ours) is None or entry.get(ref) is None else f"{entry[ref] / entry[ours]:.2f}x"
         lines.append(
             [label, dt, layout, str(r["layers"]), str(r["calls"]), mode, *[_ms(entry.get(n)) for n in names], speed]
+            + ([f"{100 * entry['spread']:.0f}%"] if spreads else [])
         )
     for mode in ("train", "eval"):
         tot = {n: totals[(mode, n)] if complete[(mode, n)] else None for n in names}
         speed = "-" if tot[ours] is None or tot[ref] is None else f"{tot[ref] / tot[ours]:.2f}x"
         lines.append(["total per step", "", "", "", "", mode, *[_ms(tot[n]) for n in names], speed])
+        lines[-1] += [""] if spreads else []
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
@@ -51,11 +57,17 @@ def table(result: dict) -> str:
         "\n".join(text)
         + f"\n{mode_text} Medians in ms; total per step = sum of calls x ms; "
         + (f"speedup = {ref} / {ours}.")
+        + (
+            " spread: the widest interquartile range of the row's providers over its median (the providers timed"
+            " in turn, call by call)."
+            if spreads
+            else ""
+        )
     )
 
 
 def write_csv(result: dict, path: str) -> None:
-    fields = ["shape", "dtype", "layout", "stride", "layers", "calls", "mode", "provider", "ms", "error"]
+    fields = ["shape", "dtype", "layout", "stride", "layers", "calls", "mode", "provider", "ms", "spread", "error"]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

@@ -18,9 +18,12 @@
    speedup of tritonbn over the reference provider, and the total per training step), and writes
    ``DIR/bench_model.csv`` and the bar chart ``DIR/bench_model.png`` (with matplotlib).
 
-Times are medians of ``--reps`` timed calls (CUDA events on a GPU, a wall clock on CPU) after
-``--warmup`` calls, the same number on every rank (the collectives must pair up). CPU times say
-nothing about a GPU: on CPU the defaults are small, to check the command and your model's shapes.
+Times are medians of ``--reps`` timed calls (CUDA events on a GPU, the process's CPU time on CPU) after
+``--warmup`` calls, the same number on every rank (the collectives must pair up). On CPU each provider is
+the module a user's model runs (``tritonbn.SyncBatchNorm`` with its group resolved as the module resolves it:
+no collective at world size 1; ``nn.BatchNorm*d``), eval under ``torch.no_grad()``, and on one rank the
+providers are called in turn, call by call, each row with its spread (interquartile range over the median).
+CPU times say nothing about a GPU: on CPU the defaults are small, to check the command and your model's shapes.
 """
 
 from __future__ import annotations
@@ -167,7 +170,10 @@ def _autocast(device: torch.device, dtype: torch.dtype):
 
 
 class Timer:
-    """Median ms of ``reps`` calls after ``warmup``: CUDA events on a GPU, a wall clock on CPU; fixed counts."""
+    """Median ms of ``reps`` calls after ``warmup``: CUDA events on a GPU, CPU time on CPU; fixed counts.
+
+    :meth:`interleaved` times several cases call by call in turn (on CPU, where other work on the machine
+    moves every case's times alike), and gives each its median and spread."""
 
     def __init__(self, device: torch.device, warmup: int, reps: int) -> None:
         self.device, self.warmup, self.reps = device, warmup, reps
@@ -177,13 +183,36 @@ class Timer:
             fn()
         return statistics.median(time_ms(fn, self.device) for _ in range(self.reps))
 
+    def interleaved(self, fns: dict, prepare=lambda name: None) -> dict:
+        """``{name: (median ms, spread)}`` of the callables ``fns``, one call of each in turn per rep, each after
+        ``prepare(name)`` (untimed); ``spread`` is the interquartile range over the median (0 below 4 reps)."""
+        for _ in range(self.warmup):
+            for name, fn in fns.items():
+                prepare(name)
+                fn()
+        times: dict = {name: [] for name in fns}
+        for _ in range(self.reps):
+            for name, fn in fns.items():
+                prepare(name)
+                times[name].append(time_ms(fn, self.device))
+        return {name: (statistics.median(t), spread(t)) for name, t in times.items()}
+
+
+def spread(times: list[float]) -> float:
+    """The interquartile range of ``times`` over their median (0 for fewer than 4 times)."""
+    if len(times) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / statistics.median(times)
+
 
 def time_ms(fn, device: torch.device) -> float:
-    """One call of ``fn`` in ms: CUDA events on a GPU (the call's own stream work), a wall clock on CPU."""
+    """One call of ``fn`` in ms: CUDA events on a GPU (the call's own stream work); on CPU the CPU time of this
+    process (all its threads: time that other jobs on the machine take from it does not count)."""
     if device.type != "cuda":
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        return (time.process_time() - t0) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -219,6 +248,8 @@ def _case(provider: str, s: Shape, mode: str, device: torch.device, group, world
     rm, rv = torch.zeros(C, device=device, dtype=pdtype), torch.ones(C, device=device, dtype=pdtype)
     nbt = torch.zeros((), dtype=torch.long, device=device)
     train = mode == "train"
+    if device.type == "cpu":  # what a user's layer runs: the module, its group resolved (none at world size 1)
+        return _module_case(provider, s, x, (w, b, rm, rv, nbt), train, group)
     if provider.startswith("tritonbn"):
         from tritonbn.functional import batch_norm
 
@@ -244,6 +275,41 @@ def _case(provider: str, s: Shape, mode: str, device: torch.device, group, world
     def run():
         x.grad = w.grad = b.grad = None
         fwd().backward(dy)
+
+    return run
+
+
+def _module_case(provider: str, s: Shape, x: torch.Tensor, state: tuple, train: bool, group):
+    """:func:`_case` on CPU: ``tritonbn.SyncBatchNorm`` over ``group`` (resolved as the module resolves it: no
+    collective at world size 1) against ``nn.BatchNorm*d``, each module holding the same parameters and buffers;
+    train is forward+backward, eval a forward under ``torch.no_grad()`` (as a validation loop runs it)."""
+    C = s.shape[1]
+    if provider.startswith("tritonbn"):
+        import tritonbn
+
+        os.environ["TRITONBN_BACKEND"] = provider[len("tritonbn[") : -1]
+        module = tritonbn.SyncBatchNorm(C, process_group=group, device="meta")
+    else:
+        module = {3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(len(s.shape), nn.BatchNorm1d)(
+            C, device="meta"
+        )
+    w, b, rm, rv, nbt = state
+    module.weight, module.bias = nn.Parameter(w.detach()), nn.Parameter(b.detach())
+    module.running_mean, module.running_var, module.num_batches_tracked = rm, rv, nbt
+    module.train(train)
+    if not train:
+
+        def run():
+            with torch.no_grad():
+                module(x)
+
+        return run
+    x.requires_grad_()
+    dy = torch.randn_like(x)
+
+    def run():
+        x.grad = module.weight.grad = module.bias.grad = None
+        module(x).backward(dy)
 
     return run
 
@@ -305,6 +371,11 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
     try:
         for s in shapes:
             for mode in ("train", "eval"):
+                if device.type == "cpu" and world == 1:  # every provider in turn, call by call
+                    rows += _interleaved_rows(names, s, mode, device, group, world, timer, deadline, backend_env)
+                    for provider in names:
+                        progress.step(f"{s.label} {mode} {provider}")
+                    continue
                 for provider in names:
                     row = {
                         "shape": s.label,
@@ -351,6 +422,41 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
         "providers": names,
     }
     return {"rows": rows, "meta": meta}
+
+
+def _interleaved_rows(names, s: Shape, mode, device, group, world, timer: Timer, deadline, backend_env) -> list:
+    """The rows of one (input, mode) on one CPU rank: the providers timed in turn, call by call (:meth:`Timer.
+    interleaved`), each with its median and spread; a provider that fails is recorded and left out."""
+    rows, cases, envs = {}, {}, {}
+    for provider in names:
+        rows[provider] = {
+            "shape": s.label,
+            "dtype": str(s.dtype).replace("torch.", ""),
+            "layout": s.layout,
+            "stride": ",".join(map(str, s.stride)),
+            "layers": len(s.layers),
+            "calls": s.calls,
+            "mode": mode,
+            "provider": provider,
+        }
+        if deadline is not None and time.time() > deadline:
+            rows[provider]["error"] = "skipped: time budget spent"
+            continue
+        try:
+            fn = _case(provider, s, mode, device, group, world)
+            envs[provider] = os.environ.get("TRITONBN_BACKEND")  # the backend the provider names
+            fn()  # fails here, alone, rather than in the timed rounds
+            cases[provider] = fn
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            rows[provider]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        finally:
+            _restore_backend(backend_env)
+    try:
+        for provider, (ms, var) in timer.interleaved(cases, lambda name: _restore_backend(envs[name])).items():
+            rows[provider]["ms"], rows[provider]["spread"] = ms, var
+    finally:
+        _restore_backend(backend_env)
+    return list(rows.values())
 
 
 def _restore_backend(value: str | None) -> None:

@@ -14,6 +14,10 @@ modules would (``benchmarks/cpu_train_step.py`` times both), in one of two forms
   with the ops autograd records for the activation, from the output where the forward kept it, or else from
   ``z`` made again by the same kernel over the same ``d`` (:func:`_grad_z`): both forms agree bitwise.
 
+In eval with running statistics nothing synchronizes either: :func:`evaluated` is then torch's own eval kernel over
+the input, one native pass as ``nn.BatchNorm2d``'s, its epilogue in place (the passes call it for every eval call
+without a mask, whether autograd records the call through the eager Function or not).
+
 ``layer`` is the layer's settings: its ``momentum`` and ``eps`` are read. The caller passes no running
 statistics for a forward that must not update them (an activation-checkpointing recompute).
 
@@ -50,6 +54,7 @@ from tritonbn.activations import output_gives_grad
 from tritonbn.backends.torch.steps import (
     _act_backward,
     _activate_,
+    _constants_for,
     _first,
     _in_layout_of,
     _native_layout,
@@ -165,6 +170,63 @@ def recorded(layer, x, weight, bias, running_mean, running_var, num_batches_trac
         return None
     y = _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, True)[0]
     return _epilogue(layer, y, residual, True)
+
+
+def _eval_types(x: torch.Tensor, weight, bias, running_mean, running_var) -> bool:
+    """Whether torch's eval kernel takes these dtypes as they are: the parameters and buffers all of ``x``'s type, or
+    all float32 beside a 16-bit ``x`` (its mixed-type form)."""
+    dtype = running_mean.dtype
+    if dtype != x.dtype and not (dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    return (
+        running_var.dtype == dtype
+        and (weight is None or weight.dtype == dtype)
+        and (bias is None or bias.dtype == dtype)
+    )
+
+
+def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_stats):
+    """``(y, mean, invstd, None)`` of an eval call with running statistics (``mean`` and ``invstd`` ``None`` unless
+    ``save_stats``), or ``None`` where the packed path takes the call: an empty input, a layout torch's kernels do
+    not keep, or parameters of mixed types.
+
+    ``y`` is torch's own eval kernel over ``x`` itself, one native pass, as ``nn.BatchNorm2d``'s: ``y = x * alpha
+    + beta`` with ``alpha = w * invstd(running_var)`` and ``beta = b - running_mean * alpha``, in float32 for
+    float32 and 16-bit inputs and in float64 for float64 ones (there ``y`` is ``F.batch_norm``'s, to the bit); the
+    epilogue follows in place (:func:`_epilogue`): for a 16-bit input without a residual, on the 16-bit output,
+    the very values of ``nn.BatchNorm2d`` followed by the activation module (as the training local path does). A
+    16-bit input with a residual takes the same kernel over a float32 copy, adds the residual and activates in
+    float32, and rounds once at the end, as the kernels and the export lowering do (so no 16-bit rounding of the
+    batch norm's output moves a kink of ``z``: :func:`_rounds_a_kink` is a training matter). What a backward reads
+    is the packed path's (``mean`` the running mean in float64, ``invstd`` from the running variance), so the
+    eager Function and the custom ops that ``torch.compile`` traces run this same function and agree bitwise.
+
+    Precision: no shifted copy of ``x`` is made (only the statistics need one). ``x * alpha`` and ``beta`` are each
+    rounded once at the size of ``|x| * |alpha|``, so ``y`` is within a few ulp of ``|x| * |alpha|``: at ``|mean| /
+    std = K`` about ``K`` ulp of ``y``, the same size as the rounding that ``x`` itself carries there (a float32
+    ``x`` near ``K`` standard deviations from 0 is stored to ``K`` ulp of a standard deviation). The float64 test
+    holds it to that bound at ``K = 1e3`` (``tests/autograd/test_torch_eval.py``).
+    """
+    if not (x.numel() and _native_layout(x) and _eval_types(x, weight, bias, running_mean, running_var)):
+        return None
+    acc = compute_dtype(x.dtype)
+    if x.dtype == acc or residual is None:
+        y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
+        if residual is not None or layer.activation is not None:
+            y = _epilogue(layer, y, residual, False)
+    else:  # a 16-bit residual: the sum in float32, rounded once at the end (as the kernels and the export lowering)
+        z = x.to(acc)
+        w, b, rm, rv = _as(weight, acc), _as(bias, acc), _as(running_mean, acc), _as(running_var, acc)
+        e1, e2 = _constants_for(x.shape[1], acc, x.device)[2:]
+        torch.native_batch_norm(z, w, b, rm, rv, False, 0.0, layer.eps, out=(z, e1, e2))  # in place, as _train_
+        if residual is not None:  # a 16-bit residual in float32 first: torch's mixed-type add_ is the slower pass
+            z.add_(_to(residual, acc))
+        y = _epilogue(layer, z, None, False).to(x.dtype)
+    if not save_stats:
+        return y, None, None, None
+    mean = running_mean.to(torch.float64, copy=True)  # an output of its own, never the running buffer
+    invstd = _as((running_var.double() + layer.eps).rsqrt_(), compute_dtype(x.dtype))  # as the packed path's
+    return y, mean, invstd, None
 
 
 def forward(

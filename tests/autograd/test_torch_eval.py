@@ -1,0 +1,183 @@
+"""Eval with running statistics on the PyTorch backend: one native pass, as ``nn.BatchNorm2d``'s
+(``tritonbn.backends.torch.local.evaluated``), and the per-call checks an eager layer remembers
+(``tritonbn._core.checks.check_eager_call``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritonbn
+from tritonbn.backends.torch import local
+
+
+@pytest.fixture
+def evals(monkeypatch):
+    """How many eval calls the one native pass took (``taken``) and declined."""
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    seen = {"taken": 0, "declined": 0}
+    original = local.evaluated
+
+    def count(*args):
+        y = original(*args)
+        seen["taken" if y is not None else "declined"] += 1
+        return y
+
+    monkeypatch.setattr(local, "evaluated", count)
+    return seen
+
+
+def _layer(C, dtype=torch.float32, **kwargs):
+    torch.manual_seed(0)
+    bn = tritonbn.SyncBatchNorm(C, **kwargs).to(dtype)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_()
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+    return bn.eval()
+
+
+def _reference(bn, x, residual=None):
+    """``nn.BatchNorm2d``'s eval followed by torch's own add and activation."""
+    y = F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    if residual is not None:
+        y = y + residual
+    if bn.activation == "relu":
+        y = F.relu(y)
+    elif bn.activation == "silu":
+        y = F.silu(y)
+    return y
+
+
+@pytest.mark.parametrize("grad", ["inference_mode", "no_grad", "autograd"])
+@pytest.mark.parametrize("epilogue", [None, "relu", "residual_silu"])
+def test_float64_is_f_batch_norm(evals, grad, epilogue):
+    """float64: the values of ``F.batch_norm`` (and torch's own epilogue ops) to the bit, and its gradients."""
+    activation = {"relu": "relu", "residual_silu": "silu"}.get(epilogue)
+    bn = _layer(6, torch.float64, activation=activation)
+    x = torch.randn(4, 6, 5, 3, dtype=torch.float64) * 3 + 2
+    r = torch.randn_like(x) if epilogue == "residual_silu" else None
+    if grad == "autograd":
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = bn(xa, r)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        grads = (xa.grad, bn.weight.grad.clone(), bn.bias.grad.clone())
+        bn.zero_grad()
+        ref = _reference(bn, xb, r)
+        ref.backward(dy)
+        assert torch.equal(y, ref)
+        for got, want in zip(grads, (xb.grad, bn.weight.grad, bn.bias.grad), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)  # the packed path's backward
+    else:
+        with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
+            assert torch.equal(bn(x, r), _reference(bn, x, r))
+    assert evals == {"taken": 1, "declined": 0}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_large_mean_within_the_inputs_rounding(evals, layout, grad):
+    """float32 at ``|mean| / std = 1e3`` against float64: the one affine pass errs by a few ulp of ``|x| * alpha``
+    (the input's own rounding at that size, about ``1e3`` ulp of ``y``), never more; and it is torch's eval
+    kernel's own value, bit for bit."""
+    C = 5
+    bn = _layer(C)
+    std = torch.tensor([1e-3, 0.1, 1.0, 10.0, 300.0])
+    mean = 1e3 * std * torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    with torch.no_grad():
+        bn.running_mean.copy_(mean)
+        bn.running_var.copy_(std**2)
+    x = torch.randn(8, C, 6, 6) * std[:, None, None] + mean[:, None, None]
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_(grad)
+    y = bn(x)
+    assert y.stride() == x.stride()
+    x64 = x.detach().double()
+    w64, b64 = bn.weight.detach().double(), bn.bias.detach().double()
+    y64 = F.batch_norm(x64, bn.running_mean.double(), bn.running_var.double(), w64, b64, False, 0.0, bn.eps)
+    alpha = (w64 / (bn.running_var.double() + bn.eps).sqrt())[None, :, None, None]
+    bound = 4 * 2.0**-24 * (x64.abs() * alpha.abs()).amax(dim=(0, 2, 3), keepdim=True)
+    assert ((y.detach().double() - y64).abs() <= bound).all()
+    assert bound.max() < 1e-3 * y64.abs().max()  # the bound is the input's rounding, not a loose one
+    assert torch.equal(y.detach(), F.batch_norm(x.detach(), bn.running_mean, bn.running_var, bn.weight, bn.bias))
+    assert evals == {"taken": 1, "declined": 0}
+
+
+def test_declines_where_the_packed_path_takes_the_call(evals):
+    """An empty batch, a layout torch's kernels do not keep and mixed parameter types keep the packed path."""
+    bn = _layer(4)
+    x = torch.randn(3, 4, 5, 5)
+    with torch.no_grad():
+        bn(x[:0])
+        assert bn(x.permute(0, 1, 3, 2)).stride() == x.permute(0, 1, 3, 2).stride()
+        bn16 = _layer(4, torch.bfloat16, activation="relu").to(torch.float32)
+        bn16.running_var.data = bn16.running_var.data.double()  # another type than the others'
+        bn16(x.to(torch.bfloat16))
+        bn16.running_var.data = bn16.running_var.data.float()
+    assert evals == {"taken": 0, "declined": 3}
+    with torch.no_grad():
+        bn16(x.to(torch.bfloat16))  # 16-bit input, float32 parameters: torch's mixed-type kernel
+    assert evals == {"taken": 1, "declined": 3}
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_16_bit_activation_is_the_unfused_modules(evals, activation):
+    """bfloat16 with an activation and no residual: the values of ``nn.BatchNorm2d`` followed by the activation
+    module, to the bit (what the layer computed before conversion)."""
+    bn = _layer(5, torch.bfloat16, activation=activation)
+    x = torch.randn(3, 5, 7, 6).mul(3).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(bn(x), _reference(bn, x))
+    assert evals == {"taken": 1, "declined": 0}
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_16_bit_epilogue_rounds_once(evals, activation):
+    """bfloat16 with a residual and an activation: the batch norm, the residual and the activation in float32 and
+    one rounding, within half an ulp (plus float32 rounding) of the float64 oracle, as the export lowering."""
+    bn = _layer(5, activation=activation)  # float32 parameters and buffers, as under autocast
+    x, r = (torch.randn(3, 5, 7, 6).mul(3).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        y = bn(x, r)
+    assert y.dtype == torch.bfloat16
+    z = _reference(bn.double(), x.double(), r.double())
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(z.abs().clamp_min(1e-3))))
+    assert ((y.double() - z).abs() <= ulp / 2 + 1e-6 * z.abs() + 1e-6).all()
+    assert evals == {"taken": 1, "declined": 0}
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_remembered_checks_still_reject(monkeypatch, training):
+    """The checks an eager layer skips are those its last call passed: another shape, a new parameter or buffer, a
+    wrong residual, or a module moved by ``.to()`` is checked again."""
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    bn = _layer(4).train(training)
+    x = torch.randn(3, 4, 5)
+    bn(x)
+    bn(x)
+    with pytest.raises(ValueError, match="num_features=4"):
+        bn(torch.randn(3, 5, 5))
+    with pytest.raises(ValueError, match="residual must have the input's shape"):
+        bn(x, torch.randn(3, 4, 4))
+    bn(x)
+    bn.weight = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"weight must have shape \(4,\)"):
+        bn(x)
+    bn.weight = torch.nn.Parameter(torch.ones(4))
+    bn(x)
+    bn.running_var = torch.ones(5)
+    with pytest.raises(ValueError, match=r"running_var must have shape \(4,\)"):
+        bn(x)
+    bn.running_var = torch.ones(4)
+    bn(x)
+    settings = bn._tritonbn_settings
+    assert settings.checked is not None
+    bn.double()  # the same tensors in another dtype: the settings go, and the next call checks again
+    assert "_tritonbn_settings" not in bn.__dict__
+    bn(x.double())
+    assert bn._tritonbn_settings is not settings
