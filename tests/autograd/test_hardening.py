@@ -55,6 +55,19 @@ def test_module_errors(backend_name, what, call, exc, message):
     assert all(torch.equal(before[k], after[k]) for k in before), "a rejected call changed a buffer"
 
 
+@pytest.mark.parametrize("name", ["weight", "running_mean"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_tensor_replaced_by_hand_is_checked_again(backend_name, name, training):
+    """An eager call skips the checks its layer's last call passed (tritonbn._core.checks.check_eager_call), but not
+    after a parameter's or buffer's ``.data`` was set by hand to another shape: the kernels would read past it."""
+    bn = tritonbn.SyncBatchNorm(3).train(training)
+    x = torch.randn(4, 3, 2)
+    bn(x)
+    getattr(bn, name).data = torch.ones(2)
+    with pytest.raises(ValueError, match=f"{name} must have shape \\(3,\\)"):
+        bn(x)
+
+
 def test_constructor_errors():
     with pytest.raises(ValueError, match="num_features must be a positive int, got 0"):
         tritonbn.SyncBatchNorm(0)

@@ -158,35 +158,29 @@ def check_call(settings, operands, num_features: int | None = None) -> None:
 
 def check_eager_call(settings, operands, num_features: int | None = None) -> None:
     """:func:`check_call` for an eager call, skipped where the layer's last call passed it with the same input
-    shape, dtype and device, residual shape, dtype and device, and the very same parameter and buffer tensors.
+    shape, dtype and device, the same residual's, and the very same parameter and buffer tensors, of the same
+    shapes, dtypes and devices.
 
     What the checks read is then unchanged: the layer's settings are rebuilt (``checked`` empty) whenever one of
-    them changes, and whenever the module moves or converts its tensors (``SyncBatchNorm._apply``: ``.to()``
-    changes a parameter's device or dtype and keeps the tensor). A mask or an ``accumulate_stats`` sink is checked
-    every call. Only a parameter's ``.data`` set by hand to another shape goes unseen; torch's ops then raise.
+    them changes, and whenever the module moves or converts its tensors (``SyncBatchNorm._apply``); a parameter
+    whose ``.data`` was set by hand to another shape, dtype or device is checked again. A mask or an
+    ``accumulate_stats`` sink is checked every call.
     """
     t = operands
     if t.mask is not None or t.sink is not None:
         return check_call(settings, t, num_features)
     x, r = t.input, t.residual
-    meta = (
-        (x.shape, x.dtype, x.device, num_features)
-        if r is None
-        else (x.shape, x.dtype, x.device, num_features, r.shape, r.dtype, r.device)
-    )
+    held = (t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked)
+    meta = [x.shape, x.dtype, x.device, num_features]
+    if r is not None:
+        meta += (r.shape, r.dtype, r.device)
+    for p in held:
+        meta += (None, None, None) if p is None else (p.shape, p.dtype, p.device)
     last = settings.checked
-    if (
-        last is not None
-        and last[0] == meta
-        and last[1] is t.weight
-        and last[2] is t.bias
-        and last[3] is t.running_mean
-        and last[4] is t.running_var
-        and last[5] is t.num_batches_tracked
-    ):
+    if last is not None and last[0] == meta and all(a is b for a, b in zip(last[1], held, strict=True)):
         return None
     check_call(settings, t, num_features)
-    settings.checked = (meta, t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked)
+    settings.checked = (meta, held)
     return None
 
 
