@@ -50,6 +50,7 @@ class AuditServer:
 
     def close(self):
         if self.proc is not None:
-            self.proc.stdin.close()
+            self.proc.stdin.close()  # the jobs are done: no need to wait for the interpreter's exit
+            self.proc.kill()
             self.proc.wait(timeout=60)
             self.stderr.close()
