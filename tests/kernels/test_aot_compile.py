@@ -2,10 +2,10 @@
 quick form, and sm_80 (A100), sm_89 (L40S), sm_100 (B200), gfx90a (MI250X), gfx942 (MI300X) each kernel once
 per plan, with the launches' compile options turning FMA fusion on whatever TRITON_DEFAULT_FP_FUSION says.
 
-The README's test command checks the FMA fusion on every target; the kernel audits (test_kernel_audit*.py)
-compile every kernel of real launches for sm_90 and the five other targets. The matrices (``--quick``,
-``--smoke`` per target) are the exhaustive sweep (``compile_sweep``), which CI runs with
-scripts/compile_sweep.sh.
+The README's test command checks the FMA fusion on every target and each kernel once per plan for sm_90; the
+kernel audits (test_kernel_audit*.py) compile every kernel of real launches for sm_90 and the five other
+targets. The matrices (``--quick`` for sm_90, ``--smoke`` per target) are the exhaustive sweep
+(``compile_sweep``), which CI runs with scripts/compile_sweep.sh.
 """
 
 import pathlib
@@ -31,6 +31,12 @@ def test_fma_fusion_on_every_target(compile_cache):
     out = _run(compile_cache, "--arch", "all", "--fma-only", TRITON_DEFAULT_FP_FUSION="0")
     for name in NAMES:
         assert f"{name}: forward kernel with the launch options" in out, out
+
+
+def test_each_kernel_compiles_once_per_plan_for_sm90(compile_cache):
+    """Each kernel of each plan (plane by plane, packed, masked), with a residual and an activation, which the
+    audits' launches have not."""
+    assert "compiled 12 kernel specializations for sm_90" in _run(compile_cache, "--smoke")
 
 
 @pytest.mark.compile_sweep
