@@ -3,7 +3,7 @@
 The audit runs in a subprocess: this test process has TRITON_INTERPRET=1 set (conftest), and the
 audit compiles the kernels. nvdisasm and ptxas ship with the triton wheel, so it normally runs. The jobs
 run in one process per worker, in one Triton cache per test run (the ``kernel_audit`` fixture,
-tests/kernels/conftest.py); the quick audit in four parts (dtype by layout), each charged to the first test
+tests/kernels/conftest.py); the quick audit in eight parts (one a case), each charged to the first test
 that reads it, as are the other targets' audits.
 """
 
@@ -39,19 +39,20 @@ def test_round_trip_counter_on_toy_kernels(kernel_audit):
     assert toys["_toy_independent"]["load_vector_bits"] == 128, toys  # 4 fp32 per thread, 16-byte aligned
 
 
-# The quick audit (--quick --model) in four parts: its rows and model are the parts' together.
-PARTS = [(d, lay) for lay in ("contiguous", "channels_last") for d in ("bf16", "fp32")]
+# The quick audit (--quick --model) in eight parts, one a case: its rows and model are the parts' together.
+PARTS = [(shape, d, lay) for shape in ("32x256x14x14", "32x2048x7x7") for d in ("bf16", "fp32")
+         for lay in ("contiguous", "channels_last")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def quick_part(kernel_audit, tmp_path_factory):
-    """``quick_part((dtype, layout))``: rows, markdown and model of that part of the quick audit, run once."""
+    """``quick_part((shape, dtype, layout))``: rows, markdown and model of that case of the quick audit, run once."""
     done = {}
 
     def get(part):
         if part not in done:
             out = tmp_path_factory.mktemp("audit")
-            kernel_audit("--quick", "--model", "--dtype", part[0], "--layout", part[1], "--out", str(out))
+            kernel_audit("--quick", "--model", "--case", ",".join(part), "--out", str(out))
             done[part] = (json.loads((out / "kernel_audit.json").read_text()), (out / "kernel_audit.md").read_text(),
                           json.loads((out / "model.json").read_text()))  # fmt: skip
         return done[part]
@@ -64,8 +65,15 @@ def quick_audit(quick_part):
     parts = [quick_part(p) for p in PARTS]
     rows = [r for rs, _, _ in parts for r in rs]
     m = dict(parts[0][2])
-    for key in ("launches", "whole_model", "per_layer"):
+    for key in ("launches", "per_layer"):
         m[key] = [x for _, _, pm in parts for x in pm[key]]
+    whole = {}  # the training step per dtype and layout: the sum of its layers, over the parts' shapes
+    for _, _, pm in parts:
+        for w in pm["whole_model"]:
+            step = whole.setdefault((w["dtype"], w["layout"]), {"dtype": w["dtype"], "layout": w["layout"]})
+            for key in ("floor_ms", "modeled_ms", "tails_ms"):
+                step[key] = step.get(key, 0.0) + w[key]
+    m["whole_model"] = list(whole.values())
     return rows, parts[0][1], m
 
 
@@ -96,7 +104,7 @@ def test_one_round_trip_and_two_launches_per_training_pass(quick_part, part):
     assert not narrow, f"main loops without 128-bit loads and stores: {narrow}"
     assert {r["round_trips_per_iteration"] for r in loops} == {1}
     stats = [r for r in loops if r["kernel"] == "_batch_norm_stats_kernel"]
-    assert {r["layout"] for r in stats} == {part[1]}
+    assert {r["layout"] for r in stats} == {part[2]}
     assert max(r["sass_per_element"] for r in stats) <= 8, stats
 
 
