@@ -23,7 +23,11 @@ shared memory of the sm_90 compilation, so the grids recorded are the fitted one
 **Compile.** ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
 options=...)`` with the launch's own options (num_warps and the rest), once per distinct
 specialization, in a fresh Triton cache so that Triton's own ptxas run and its log (registers,
-stack, spills) are what is read. The cubin is disassembled with the bundled ``nvdisasm``.
+stack, spills) are what is read. ``--cache-dir DIR`` shares a Triton cache instead (the tests' one, so
+that each specialization is compiled once per test run): ptxas's log is kept beside each cubin
+(``tritonbn_ptxas.log`` in the kernel's cache entry), written on a miss and read on a hit; an entry
+without it (compiled by something else) is compiled again in a fresh cache. The cubin is disassembled with
+the bundled ``nvdisasm``.
 
 **Per row** (one per launch of each pass): registers, spill bytes (ptxas's spill stores + loads),
 stack, shared memory, ``max_warps_per_sm`` (the target's per-SM limits, ``tritonbn.kernels._launch.SM_LIMITS``:
@@ -58,7 +62,12 @@ as above, of the SASS loops whose line info falls on the ``merge_tree`` call (``
 **Model** (``--model``): a time model of each launch and of a ResNet-50 training step's BatchNorms,
 written to ``DIR/model.json`` and printed with its assumptions (:data:`ASSUMPTIONS`, each with its
 source); see :func:`model_launch`. ``--case``, ``--sm-count`` and ``--flat-merge`` audit one case, plan
-for another SM count, and make the merge one-level (to show that the tail rule catches it).
+for another SM count, and make the merge one-level (to show that the tail rule catches it);
+``--dtype`` and ``--layout`` keep some of the dtypes and layouts (a part of the audit).
+
+``--serve`` runs jobs in one process (one interpreter start for many audits): each line read from stdin is
+one job's arguments, as on the command line; after each, the line ``kernel_audit-done RC`` (its exit
+status) is printed. An empty line or the end of input ends it.
 """
 
 from __future__ import annotations
@@ -527,6 +536,48 @@ def read_compiled(launch: Launch, target: GPUTarget, cache: dict) -> dict:
     return cache[key]
 
 
+PTXAS_LOG = "tritonbn_ptxas.log"  # ptxas's log of a kernel, kept in its Triton cache entry (--cache-dir)
+
+
+def _compile_logged(src, target, options):
+    """``triton.compile`` with ptxas's log captured: the kernel and the log ("" when it came from the cache)."""
+    knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kernel = triton.compile(src, target=target, options=options)
+    finally:
+        knobs.nvidia.dump_ptxas_log = False
+    return kernel, log.getvalue()
+
+
+def _compile_with_ptxas_log(src, target, options):
+    """The compiled kernel and ptxas's log of it. A cache miss writes the log beside the cubin; a hit reads
+    it from there, or, where the entry has none (something else compiled it), compiles again in a fresh cache."""
+    from triton.runtime.cache import get_cache_manager
+
+    kernel, text = _compile_logged(src, target, options)
+    entry = get_cache_manager(kernel.hash)
+    if _PTXAS["registers"].search(text):
+        entry.put(text, PTXAS_LOG, binary=False)
+        return kernel, text
+    path = entry.get_file(PTXAS_LOG)
+    if path is not None:
+        with open(path) as f:
+            return kernel, f.read()
+    shared = knobs.cache.dir
+    with tempfile.TemporaryDirectory(prefix="tritonbn-audit-") as fresh:
+        knobs.cache.dir = fresh
+        try:
+            kernel, text = _compile_logged(src, target, options)
+        finally:
+            knobs.cache.dir = shared
+    if _PTXAS["registers"].search(text):
+        entry.put(text, PTXAS_LOG, binary=False)
+    return kernel, text
+
+
 def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, target) -> dict:
     """Compile one specialization for ``target`` and read registers, spills, shared memory and the main loop."""
     if target.backend == "hip":
@@ -538,15 +589,7 @@ def compile_and_read(fn: JITFunction, signature, constexprs, attrs, options, tar
         named = {fn.arg_names[p[0]]: v for p, v in constexprs.items() if len(p) == 1}
         num_warps = int(options["num_warps"])
         return _amdgcn.read(kernel, num_warps, tile_elements(named) / (num_warps * target.warp_size))
-    knobs.nvidia.dump_ptxas_log = True
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(log), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
-    finally:
-        knobs.nvidia.dump_ptxas_log = False
-    text = log.getvalue()
+    kernel, text = _compile_with_ptxas_log(ASTSource(fn, signature, constexprs, attrs), target, options)
     ptxas = {k: int(m.group(1)) if (m := r.search(text)) else None for k, r in _PTXAS.items()}
     if ptxas["registers"] is None:
         raise RuntimeError(f"kernel_audit: no ptxas log for {fn.fn.__name__} (was it compiled from a cache?)")
@@ -851,6 +894,7 @@ ASSUMPTIONS = {
         "s: per launch, the gap between back-to-back kernels on a stream plus the ramp and drain of the grid; assumed",
     ),
 }
+H200 = ASSUMPTIONS
 _SAME = {k: ASSUMPTIONS[k] for k in ("dram_latency_s", "merge_bw_per_sm", "merge_level_s", "launch_fixed_s")}
 # The A100 and MI300X rows: the same kinds of figures, from the vendors' specifications, and the same assumed
 # latencies and merge costs as the H200's (not measured or verified on either GPU).
@@ -873,7 +917,7 @@ MI300X = {
     **_SAME,
 }
 # The model's device per audited target (--model): the H200 row for sm_90, A100 for sm_80, MI300X for gfx942.
-MODEL_DEVICES = {"90": ("H200", ASSUMPTIONS), "80": ("A100", A100), "gfx942": ("MI300X", MI300X)}
+MODEL_DEVICES = {"90": ("H200", H200), "80": ("A100", A100), "gfx942": ("MI300X", MI300X)}
 # Activation-sized tensors each kernel reads and writes (the plain module: no residual, no activation).
 KERNEL_TENSORS = {
     "_batch_norm_stats_kernel": (1, 0),
@@ -1021,7 +1065,20 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--case", help="one shape, dtype and layout only, e.g. 32x256x14x14,bf16,channels_last")
     parser.add_argument("--masked", action="store_true", help="the layers of masked BatchNorm (a padding mask)")
+    parser.add_argument("--dtype", help="only these dtypes, separated by commas (e.g. bf16)")
+    parser.add_argument("--layout", help="only these layouts, separated by commas (e.g. channels_last)")
+    parser.add_argument(
+        "--cache-dir",
+        help="a Triton cache to share (default: a fresh one); ptxas's figures are kept beside each kernel",
+    )
+    parser.add_argument(
+        "--serve", action="store_true", help="run the jobs read from stdin, one a line, in this process"
+    )
     args = parser.parse_args(argv)
+    if args.cache_dir:
+        knobs.cache.dir = os.path.abspath(args.cache_dir)
+    if args.serve:
+        return serve(sys.stdin, sys.stdout)
     why = tools_missing()
     if why:
         print(f"kernel_audit: cannot run: {why}", file=sys.stderr)
@@ -1030,7 +1087,12 @@ def main(argv=None) -> int:
     target = GPUTarget("hip", args.arch, 64) if hip else GPUTarget("cuda", int(args.arch), 32)
     name = args.arch if hip else f"sm_{args.arch}"
     if args.self_check:
-        print(json.dumps(self_check(target), indent=1))
+        checked = json.dumps(self_check(target), indent=1)
+        print(checked)
+        if args.out:  # also DIR/self_check.json
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "self_check.json"), "w") as f:
+                f.write(checked)
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -1043,17 +1105,29 @@ def main(argv=None) -> int:
     if args.case:
         shape, dtype, layout = args.case.split(",")
         shapes, dtypes, layouts = [tuple(map(int, shape.split("x")))], (dtype,), (layout,)
-    global SM_COUNT, WARP_SIZE, MASKED
+    if args.dtype:
+        dtypes = tuple(d for d in dtypes if d in args.dtype.split(","))
+    if args.layout:
+        layouts = tuple(lay for lay in layouts if lay in args.layout.split(","))
+    global SM_COUNT, WARP_SIZE, MASKED, ASSUMPTIONS
     SM_COUNT, WARP_SIZE, MASKED = args.sm_count or SMS[args.arch], target.warp_size, args.masked
+    ASSUMPTIONS = H200  # a job of --serve starts from the defaults
     if args.model:
         if args.arch not in MODEL_DEVICES:
             parser.error(f"--model: no device row for {name} (rows: {', '.join(sorted(MODEL_DEVICES))})")
-        global ASSUMPTIONS
         device, ASSUMPTIONS = MODEL_DEVICES[args.arch]
-    if args.flat_merge:
-        from tritonbn.kernels import _plan
+    from tritonbn.kernels import _plan
 
+    flat_merge = _plan._FLAT_MERGE
+    if args.flat_merge:
         _plan._FLAT_MERGE = 1 << 30
+    try:
+        return _audit_main(args, shapes, dtypes, layouts, target, name, device if args.model else None)
+    finally:
+        _plan._FLAT_MERGE = flat_merge
+
+
+def _audit_main(args, shapes, dtypes, layouts, target, name, device) -> int:
     t0 = time.time()
     print(f"kernel_audit: {len(shapes)} shapes x {dtypes} x {layouts} x {MODES} for {name}, planned on {SM_COUNT} SMs")
     rows, compilations = audit(shapes, dtypes, layouts, target)
@@ -1090,6 +1164,26 @@ def main(argv=None) -> int:
         write_section(args.results, "kernel-audit-masked" if args.masked else "kernel-audit", section)
     print("\n".join(summary(rows)))
     print(f"kernel_audit: {len(rows)} rows in {time.time() - t0:.0f} s -> {args.out}/kernel_audit.json and .md")
+    return 0
+
+
+def serve(jobs, out) -> int:
+    """``--serve``: run each line of ``jobs`` as one audit's arguments, in this process, and print
+    ``kernel_audit-done RC`` after each (RC its exit status; a failure's traceback is printed first)."""
+    import shlex
+    import traceback
+
+    for line in jobs:
+        if not line.strip():
+            break
+        try:
+            rc = main(shlex.split(line))
+        except SystemExit as e:  # argparse's errors
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001 - reported to the caller, which fails on it
+            traceback.print_exc(file=out)
+            rc = 1
+        print(f"kernel_audit-done {rc}", file=out, flush=True)
     return 0
 
 

@@ -9,9 +9,11 @@ TRITON_INTERPRET unset: under the interpreter the kernels are not compilable obj
 ``--arch`` takes targets separated by commas: a CUDA compute capability (80 A100, 89 L40S, 90 H100/H200,
 100 B200) or an AMD architecture (gfx90a MI250X, gfx942 MI300X); ``all`` is those six. ``--smoke`` compiles
 each kernel once per plan (12 specializations), the form the tests use for the targets after the first.
+A specialization that the matrix lists twice is compiled once (the count printed is of distinct ones).
 Every compile passes the launches' own compile options (``tritonbn._compat.COMPILE_OPTIONS``: FMA fusion
 on); ``--fma-check`` also compiles the forward kernel without fusion and fails unless the launch options
-give it more fused multiply-adds (run it with TRITON_DEFAULT_FP_FUSION=0: the options must win).
+give it more fused multiply-adds (run it with TRITON_DEFAULT_FP_FUSION=0: the options must win);
+``--fma-only`` runs that check alone.
 """
 
 from __future__ import annotations
@@ -55,7 +57,12 @@ def fma_count(compiled) -> int:
     return sum(compiled.asm["amdgcn"].count(op) for op in ("v_fma_", "v_fmac_", "v_pk_fma_"))
 
 
-def _compile(fn, pointers: dict, constexprs: dict, target, int64: bool, options=COMPILE_OPTIONS):
+_DONE: set = set()  # the specializations this run compiled: a matrix's repeats are compiled once
+
+
+def _compile(fn, pointers: dict, constexprs: dict, target, int64: bool, options=COMPILE_OPTIONS, again=False):
+    """Compile one specialization: the compiled kernel, or None where this run already compiled it (unless
+    ``again``)."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -66,6 +73,11 @@ def _compile(fn, pointers: dict, constexprs: dict, target, int64: bool, options=
             signature[name] = "fp32"
         else:
             signature[name] = "i64" if int64 else "i32"
+    key = repr((fn.fn.__name__, sorted(signature.items()), sorted(constexprs.items(), key=str), target,
+                sorted(options.items())))  # fmt: skip
+    if key in _DONE and not again:
+        return None
+    _DONE.add(key)
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target, options=options)
 
 
@@ -75,16 +87,19 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="each kernel once per plan")
     parser.add_argument("--arch", default="90", help="targets, e.g. 90 or 80,gfx942 or all (default 90: H100/H200)")
     parser.add_argument("--fma-check", action="store_true", help="check that the launch options fuse multiply-adds")
+    parser.add_argument("--fma-only", action="store_true", help="the FMA check alone, no specializations")
     args = parser.parse_args(argv)
     names = ALL if args.arch == "all" else tuple(args.arch.split(","))
     for name in names:
         target = target_of(name)
-        if args.fma_check:
+        if args.fma_check or args.fma_only:
             fused, plain = fma_check(target)
             print(f"{target_name(target)}: forward kernel with the launch options {fused} FMAs, without fusion {plain}")
             if fused <= plain:
                 print("aot_compile: the launch options did not turn FMA fusion on", file=sys.stderr)
                 return 1
+        if args.fma_only:
+            continue
         count = compile_all(target, quick=args.quick, smoke=args.smoke)
         print(f"compiled {count} kernel specializations for {target_name(target)} with triton {triton.__version__}")
     return 0
@@ -114,7 +129,7 @@ def fma_check(target) -> tuple[int, int]:
     )
     counts = []
     for options in (COMPILE_OPTIONS, dict(COMPILE_OPTIONS, enable_fp_fusion=False)):
-        compiled = _compile(elemt._batch_norm_elemt_kernel, _pointers("*fp32"), forward, target, False, options)
+        compiled = _compile(elemt._batch_norm_elemt_kernel, _pointers("*fp32"), forward, target, False, options, True)
         counts.append(fma_count(compiled))
     return counts[0], counts[1]
 
@@ -140,30 +155,31 @@ def compile_all(target, quick: bool, smoke: bool) -> int:
     return count
 
 
+def _new(compiled) -> int:
+    return compiled is not None
+
+
 def _compile_plan(base, pointers, target, int64, activations, residuals, auxes, trainings=(True, False)) -> int:
     """Every kernel for one plan's constexprs; returns how many specializations were compiled."""
     count = 0
     arch = target.arch if target.backend == "cuda" else 0  # a packed plan gathers its lanes' sums as the target's does
     gather = bool(base["PLANE"]) and _gathers(("cuda", 0, target.warp_size, arch))
     unroll = 1 if base["HAS_MASK"] else 2  # as the launcher: one tile a step for a masked layer
-    _compile(stats._batch_norm_stats_kernel, pointers, dict(base, BLOCK_R=32, UNROLL=unroll, GATHER=gather), target,
-             int64)  # fmt: skip
-    count += 1
+    count += _new(_compile(stats._batch_norm_stats_kernel, pointers,
+                           dict(base, BLOCK_R=32, UNROLL=unroll, GATHER=gather), target, int64))  # fmt: skip
     if base["PLANE"] or base["HAS_MASK"]:  # a packed or masked plan: one representative variant of each kernel
         activations, residuals, auxes = activations[-1:], residuals[-1:], auxes[-1:]
     for training, act, residual in itertools.product(trainings, activations, residuals):
         forward = dict(base, TRAINING=training, UPDATE_RUNNING=training, CUMULATIVE=training, HAS_NBT=training,
                        HAS_WEIGHT=True, HAS_BIAS=True, HAS_RESIDUAL=residual, ACTIVATION=act,
                        SAVE_STATS=training or residual)  # fmt: skip
-        _compile(elemt._batch_norm_elemt_kernel, pointers, forward, target, int64)
-        count += 1
+        count += _new(_compile(elemt._batch_norm_elemt_kernel, pointers, forward, target, int64))
         for aux in auxes:
             reduce = dict(base, HAS_WEIGHT=True, HAS_BIAS=True, ACTIVATION=act, AUX=aux)
             final = dict(reduce, HAS_GW=True, HAS_GB=True, BLOCK_R=32, UNROLL=2 if base["PLANE"] else 1)
-            _compile(backward_reduce._batch_norm_backward_reduce_kernel, pointers, final, target, int64)
+            count += _new(_compile(backward_reduce._batch_norm_backward_reduce_kernel, pointers, final, target, int64))
             grad = dict(reduce, TRAINING=training, WRITE_DX=True, WRITE_DR=residual)
-            _compile(backward_elemt._batch_norm_backward_elemt_kernel, pointers, grad, target, int64)
-            count += 2
+            count += _new(_compile(backward_elemt._batch_norm_backward_elemt_kernel, pointers, grad, target, int64))
     return count
 
 

@@ -1,15 +1,15 @@
 """The kernel audit (benchmarks/kernel_audit.py): sm_90 code read without a GPU.
 
 The audit runs in a subprocess: this test process has TRITON_INTERPRET=1 set (conftest), and the
-audit compiles the kernels. nvdisasm and ptxas ship with the triton wheel, so it normally runs.
+audit compiles the kernels. nvdisasm and ptxas ship with the triton wheel, so it normally runs. The jobs
+run in one process per worker, in one Triton cache per test run (the ``kernel_audit`` fixture,
+tests/kernels/conftest.py); the quick audit in eight parts (one a case), each charged to the first test
+that reads it, as are the other targets' audits.
 """
 
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -30,31 +30,126 @@ FLAT_MERGE_BYTES = 64 * 1024
 MAX_TAIL_BYTES = 96 * 1024
 
 
-def _run(*args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                            timeout=timeout)  # fmt: skip
-    if result.returncode == 2 and "cannot run" in result.stderr:
-        pytest.skip(result.stderr.strip())
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
-
-
-def test_round_trip_counter_on_toy_kernels():
+def test_round_trip_counter_on_toy_kernels(kernel_audit):
     """A load through a loaded index is 2 round trips per iteration; two independent loads are 1."""
-    out = _run("--self-check")
-    toys = json.loads(out[out.index("{") :])
+    out = kernel_audit("--self-check")
+    toys = json.loads(out[out.index("{") : out.rindex("}") + 1])
     assert toys["_toy_dependent"]["round_trips_per_iteration"] == 2, toys
     assert toys["_toy_independent"]["round_trips_per_iteration"] == 1, toys
     assert toys["_toy_independent"]["load_vector_bits"] == 128, toys  # 4 fp32 per thread, 16-byte aligned
 
 
+# The quick audit (--quick --model) in eight parts, one a case: its rows and model are the parts' together.
+PARTS = [(shape, d, lay) for shape in ("32x256x14x14", "32x2048x7x7") for d in ("bf16", "fp32")
+         for lay in ("contiguous", "channels_last")]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def quick_audit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("audit")
-    _run("--quick", "--model", "--out", str(out))
-    rows = json.loads((out / "kernel_audit.json").read_text())
-    return rows, (out / "kernel_audit.md").read_text(), json.loads((out / "model.json").read_text())
+def quick_part(kernel_audit, tmp_path_factory):
+    """``quick_part((shape, dtype, layout))``: rows, markdown and model of that case of the quick audit, run once."""
+    done = {}
+
+    def get(part):
+        if part not in done:
+            out = tmp_path_factory.mktemp("audit")
+            kernel_audit("--quick", "--model", "--case", ",".join(part), "--out", str(out))
+            done[part] = (json.loads((out / "kernel_audit.json").read_text()), (out / "kernel_audit.md").read_text(),
+                          json.loads((out / "model.json").read_text()))  # fmt: skip
+        return done[part]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def quick_audit(quick_part):
+    parts = [quick_part(p) for p in PARTS]
+    rows = [r for rs, _, _ in parts for r in rs]
+    m = dict(parts[0][2])
+    for key in ("launches", "per_layer"):
+        m[key] = [x for _, _, pm in parts for x in pm[key]]
+    whole = {}  # the training step per dtype and layout: the sum of its layers, over the parts' shapes
+    for _, _, pm in parts:
+        for w in pm["whole_model"]:
+            step = whole.setdefault((w["dtype"], w["layout"]), {"dtype": w["dtype"], "layout": w["layout"]})
+            for key in ("floor_ms", "modeled_ms", "tails_ms"):
+                step[key] = step.get(key, 0.0) + w[key]
+    m["whole_model"] = list(whole.values())
+    return rows, parts[0][1], m
+
+
+@pytest.mark.parametrize("part", PARTS, ids="-".join)
+def test_no_spills_and_at_most_128_registers(quick_part, part):
+    """The rules of DESIGN.md's speed section that the compiled code alone can show, on every launch."""
+    rows, _, _ = quick_part(part)
+    bad = [(r["kernel"], r["layout"], r["dtype"], r["shape"], r["registers"], r["spill_bytes"]) for r in rows
+           if r["spill_bytes"] or r["registers"] > MAX_REGISTERS]  # fmt: skip
+    assert not bad, f"spills or more than {MAX_REGISTERS} registers: {sorted(set(bad))}"
+
+
+@pytest.mark.parametrize("part", PARTS, ids="-".join)
+def test_one_round_trip_and_two_launches_per_training_pass(quick_part, part):
+    """A training pass is 2 launches, eval 1. Every main loop loads and stores 128 bits per thread (the
+    quick audit's 14x14 and 7x7 NCHW planes through packed plans), issues all its loads before using
+    any (one round trip), and the statistics loop costs at most 8 SASS instructions per element."""
+    rows, _, _ = quick_part(part)
+    assert {r["mode"]: r["launch"].split("/")[1] for r in rows} == {
+        "train_forward": "2",
+        "backward": "2",
+        "eval_forward": "1",
+    }
+    loops = [r for r in rows if r["main_loop"] is not None]
+    assert {(r["layout"], r["shape"]) for r in loops} == {(r["layout"], r["shape"]) for r in rows}
+    narrow = [(r["kernel"], r["layout"], r["dtype"], r["shape"], r["load_vector_bits"], r["store_vector_bits"])
+              for r in loops if r["load_vector_bits"] != 128 or r["store_vector_bits"] not in (None, 128)]  # fmt: skip
+    assert not narrow, f"main loops without 128-bit loads and stores: {narrow}"
+    assert {r["round_trips_per_iteration"] for r in loops} == {1}
+    stats = [r for r in loops if r["kernel"] == "_batch_norm_stats_kernel"]
+    assert {r["layout"] for r in stats} == {part[2]}
+    assert max(r["sass_per_element"] for r in stats) <= 8, stats
+
+
+@pytest.mark.parametrize("part", PARTS, ids="-".join)
+def test_grids_are_one_wave(quick_part, part):
+    """Each launch fitted its grid to its compiled kernel's occupancy (tritonbn.kernels._launch): at most
+    one wave of programs on 132 SMs, unless the channel blocks alone are more, and the model runs it in
+    one wave."""
+    rows, _, m = quick_part(part)
+    for r, launch in zip(rows, m["launches"], strict=True):
+        wave = 132 * (r["max_warps_per_sm"] // r["num_warps"])
+        c_blocks, r_progs = r["grid"]
+        assert c_blocks * r_progs <= wave or r_progs == 1, r
+        assert launch["waves"] <= 1 or r_progs == 1, launch
+
+
+def _tail_violations(rows):
+    """Reducing launches whose merge tail breaks the rule: more than max(16, 2 ceil(sqrt(R))) rows in
+    series, unless they are one level of at most FLAT_MERGE_BYTES."""
+    bad = []
+    for r in rows:
+        if r["tail_rows"] is None:
+            continue
+        R = r["grid"][1]
+        flat_ok = r["tail_levels"] == 1 and r["tail_bytes"] <= FLAT_MERGE_BYTES
+        if r["tail_rows"] > max(FLAT_MERGE_ROWS, 2 * math.isqrt(R - 1) + 2) and not flat_ok:
+            bad.append((r["kernel"], r["layout"], r["shape"], R, r["tail_rows"], r["tail_bytes"]))
+    return bad
+
+
+@pytest.mark.parametrize("part", PARTS, ids="-".join)
+def test_merge_tail_is_short(quick_part, part):
+    """Every statistics and backward-reduction launch reports its merge tail; the tail reads at most
+    2 ceil(sqrt(R)) rows or one level of FLAT_MERGE_BYTES, and at most MAX_TAIL_BYTES, and its merge
+    loop is in the SASS."""
+    rows, md, _ = quick_part(part)
+    reducing = [r for r in rows if r["kernel"] in ("_batch_norm_stats_kernel", "_batch_norm_backward_reduce_kernel")]
+    assert {r["mode"] for r in reducing} == {"train_forward", "backward"}
+    for r in reducing:
+        assert r["tail_bytes"] > 0 and r["tail_iterations"] >= 1 and r["tail_levels"] in (1, 2), r
+        assert r["merge_loops"] >= 1 and r["tail_round_trips"] >= 1, r
+    assert all(r["tail_bytes"] is None for r in rows if r not in reducing)
+    assert not _tail_violations(rows)
+    assert max(r["tail_bytes"] for r in reducing) <= MAX_TAIL_BYTES
+    assert "Longest merge tail" in md
 
 
 def test_quick_audit_covers_every_pass(quick_audit):
@@ -77,91 +172,22 @@ def test_quick_audit_covers_every_pass(quick_audit):
         assert len(same) == n and 1 <= k <= n
     eval_rows = [r for r in rows if r["mode"] == "eval_forward"]
     assert all(r["launch"] == "1/1" for r in eval_rows), "eval is one launch"
+    stats = [r for r in rows if r["kernel"] == "_batch_norm_stats_kernel" and r["main_loop"] is not None]
+    assert {r["layout"] for r in stats} == {"contiguous", "channels_last"}
     assert "## Kernel audit (sm_90, compiled without a GPU)" in md and "### Summary" in md
 
 
-def test_no_spills_and_at_most_128_registers(quick_audit):
-    """The rules of DESIGN.md's speed section that the compiled code alone can show, on every launch."""
-    rows, _, _ = quick_audit
-    bad = [(r["kernel"], r["layout"], r["dtype"], r["shape"], r["registers"], r["spill_bytes"]) for r in rows
-           if r["spill_bytes"] or r["registers"] > MAX_REGISTERS]  # fmt: skip
-    assert not bad, f"spills or more than {MAX_REGISTERS} registers: {sorted(set(bad))}"
-
-
-def test_one_round_trip_and_two_launches_per_training_pass(quick_audit):
-    """A training pass is 2 launches, eval 1. Every main loop loads and stores 128 bits per thread (the
-    quick audit's 14x14 and 7x7 NCHW planes through packed plans), issues all its loads before using
-    any (one round trip), and the statistics loop costs at most 8 SASS instructions per element."""
-    rows, _, _ = quick_audit
-    assert {r["mode"]: r["launch"].split("/")[1] for r in rows} == {
-        "train_forward": "2",
-        "backward": "2",
-        "eval_forward": "1",
-    }
-    loops = [r for r in rows if r["main_loop"] is not None]
-    assert {(r["layout"], r["shape"]) for r in loops} == {(r["layout"], r["shape"]) for r in rows}
-    narrow = [(r["kernel"], r["layout"], r["dtype"], r["shape"], r["load_vector_bits"], r["store_vector_bits"])
-              for r in loops if r["load_vector_bits"] != 128 or r["store_vector_bits"] not in (None, 128)]  # fmt: skip
-    assert not narrow, f"main loops without 128-bit loads and stores: {narrow}"
-    assert {r["round_trips_per_iteration"] for r in loops} == {1}
-    stats = [r for r in loops if r["kernel"] == "_batch_norm_stats_kernel"]
-    assert {r["layout"] for r in stats} == {"contiguous", "channels_last"}
-    assert max(r["sass_per_element"] for r in stats) <= 8, stats
-
-
-def test_grids_are_one_wave(quick_audit):
-    """Each launch fitted its grid to its compiled kernel's occupancy (tritonbn.kernels._launch): at most
-    one wave of programs on 132 SMs, unless the channel blocks alone are more, and the model runs it in
-    one wave."""
-    rows, _, m = quick_audit
-    for r, launch in zip(rows, m["launches"], strict=True):
-        wave = 132 * (r["max_warps_per_sm"] // r["num_warps"])
-        c_blocks, r_progs = r["grid"]
-        assert c_blocks * r_progs <= wave or r_progs == 1, r
-        assert launch["waves"] <= 1 or r_progs == 1, launch
-
-
-def _tail_violations(rows):
-    """Reducing launches whose merge tail breaks the rule: more than max(16, 2 ceil(sqrt(R))) rows in
-    series, unless they are one level of at most FLAT_MERGE_BYTES."""
-    bad = []
-    for r in rows:
-        if r["tail_rows"] is None:
-            continue
-        R = r["grid"][1]
-        flat_ok = r["tail_levels"] == 1 and r["tail_bytes"] <= FLAT_MERGE_BYTES
-        if r["tail_rows"] > max(FLAT_MERGE_ROWS, 2 * math.isqrt(R - 1) + 2) and not flat_ok:
-            bad.append((r["kernel"], r["layout"], r["shape"], R, r["tail_rows"], r["tail_bytes"]))
-    return bad
-
-
-def test_merge_tail_is_short(quick_audit):
-    """Every statistics and backward-reduction launch reports its merge tail; the tail reads at most
-    2 ceil(sqrt(R)) rows or one level of FLAT_MERGE_BYTES, and at most MAX_TAIL_BYTES, and its merge
-    loop is in the SASS."""
-    rows, md, _ = quick_audit
-    reducing = [r for r in rows if r["kernel"] in ("_batch_norm_stats_kernel", "_batch_norm_backward_reduce_kernel")]
-    assert {r["mode"] for r in reducing} == {"train_forward", "backward"}
-    for r in reducing:
-        assert r["tail_bytes"] > 0 and r["tail_iterations"] >= 1 and r["tail_levels"] in (1, 2), r
-        assert r["merge_loops"] >= 1 and r["tail_round_trips"] >= 1, r
-    assert all(r["tail_bytes"] is None for r in rows if r not in reducing)
-    assert not _tail_violations(rows)
-    assert max(r["tail_bytes"] for r in reducing) <= MAX_TAIL_BYTES
-    assert "Longest merge tail" in md
-
-
-def test_merge_tail_with_many_programs(tmp_path):
+def test_merge_tail_with_many_programs(kernel_audit, tmp_path):
     """Planned as on a 2048-SM GPU, a 112x112 channels_last layer has thousands of programs per channel
     block: the two-level tail stays near 2 sqrt(R) rows; a flat merge (--flat-merge) breaks the rule."""
     case = ("--case", "32x64x112x112,bf16,channels_last", "--sm-count", "2048")
-    _run(*case, "--out", str(tmp_path / "tree"))
+    kernel_audit(*case, "--out", str(tmp_path / "tree"))
     rows = json.loads((tmp_path / "tree" / "kernel_audit.json").read_text())
     reducing = [r for r in rows if r["tail_rows"] is not None]
     assert reducing and min(r["grid"][1] for r in reducing) > 1000, [r["grid"] for r in reducing]
     assert {r["tail_levels"] for r in reducing} == {2}
     assert not _tail_violations(rows)
-    _run(*case, "--flat-merge", "--out", str(tmp_path / "flat"))
+    kernel_audit(*case, "--flat-merge", "--out", str(tmp_path / "flat"))
     flat = json.loads((tmp_path / "flat" / "kernel_audit.json").read_text())
     assert len(_tail_violations(flat)) == len(reducing)
     assert min(r["tail_bytes"] for r in flat if r["tail_bytes"]) > 8 * MAX_TAIL_BYTES
@@ -219,18 +245,24 @@ TARGETS = ["80", "89", "100", "gfx90a", "gfx942"]
 
 
 @pytest.fixture(scope="module")
-def target_audits(tmp_path_factory):
-    out = {}
-    for arch in TARGETS:
-        path = tmp_path_factory.mktemp(f"audit{arch}")
-        _run("--arch", arch, "--case", "32x256x14x14,bf16,contiguous", "--out", str(path))
-        out[arch] = json.loads((path / "kernel_audit.json").read_text())
-    return out
+def target_audit(kernel_audit, tmp_path_factory):
+    """``target_audit(arch)``: the rows of that target's audit of the case, run once (charged to the first test
+    that reads them)."""
+    done = {}
+
+    def get(arch):
+        if arch not in done:
+            path = tmp_path_factory.mktemp(f"audit{arch}")
+            kernel_audit("--arch", arch, "--case", "32x256x14x14,bf16,contiguous", "--out", str(path))
+            done[arch] = json.loads((path / "kernel_audit.json").read_text())
+        return done[arch]
+
+    return get
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-def test_other_targets_vector_loads_and_one_round_trip(target_audits, arch):
-    rows = target_audits[arch]
+def test_other_targets_vector_loads_and_one_round_trip(target_audit, arch):
+    rows = target_audit(arch)
     assert {r["mode"] for r in rows} == {"train_forward", "backward", "eval_forward"}
     warps = {r["num_warps"] for r in rows}
     assert warps <= ({2, 4} if arch.startswith("gfx") else {4, 8}), warps  # 128 or 256 threads a program
@@ -242,22 +274,22 @@ def test_other_targets_vector_loads_and_one_round_trip(target_audits, arch):
             assert r["model_waves_per_simd"] == r["llvm_waves_per_simd"], r
 
 
-def test_other_targets_occupancy_by_their_own_limits(target_audits):
+def test_other_targets_occupancy_by_their_own_limits(target_audit):
     """Warps per SM by each target's own per-SM limits: an sm_89 SM holds 1536 threads, so the eval kernel of
     this case (8 warps, 30 registers) holds 48 warps there, where sm_90's limits would give 64; the same
     kernel holds 64 on sm_80 and sm_100, whose SMs hold 2048 threads."""
-    row = {a: next(r for r in target_audits[a] if r["mode"] == "eval_forward") for a in ("80", "89", "100")}
+    row = {a: next(r for r in target_audit(a) if r["mode"] == "eval_forward") for a in ("80", "89", "100")}
     assert (row["89"]["max_warps_per_sm"], row["89"]["occupancy_limit"]) == (48, "threads"), row["89"]
     assert row["80"]["max_warps_per_sm"] == row["100"]["max_warps_per_sm"] == 64, row
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-def test_other_targets_no_spills(target_audits, arch):
-    assert [r["spill_bytes"] for r in target_audits[arch]] == [0] * len(target_audits[arch])
+def test_other_targets_no_spills(target_audit, arch):
+    assert [r["spill_bytes"] for r in target_audit(arch)] == [0] * len(target_audit(arch))
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-def test_other_targets_at_most_128_registers(target_audits, arch):
-    rows = target_audits[arch]
+def test_other_targets_at_most_128_registers(target_audit, arch):
+    rows = target_audit(arch)
     assert max(r["registers"] for r in rows) <= MAX_REGISTERS
     assert min(r["max_warps_per_sm"] for r in rows) >= 16  # 2 programs of 8 warps (4 of 4) per SM at least

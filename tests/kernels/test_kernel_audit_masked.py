@@ -5,39 +5,54 @@ registers, the launches of an unmasked layer (a mask adds none), and one memory 
 iteration wherever the loads are full 16-byte vectors. An odd-length sequence in 16 bits cannot be read
 in vectors (each channel's row starts anywhere): there the unmasked layer takes up to 3 round trips too,
 and the masked one is held to 2.
+
+In the README's test command these rules are checked on two cases: the one whose launches hold the most
+registers (7x7 planes, NCHW, bf16) and an odd-length bf16 sequence in NCL (no vector loads). The whole
+``--quick --masked`` audit is the exhaustive sweep (``compile_sweep``, run by scripts/compile_sweep.sh in CI).
 """
 
 import json
 
 import pytest
-from test_kernel_audit import MAX_REGISTERS, _run
+from test_kernel_audit import MAX_REGISTERS
+
+CASES = ("32x2048x7x7,bf16,contiguous", "32x256x499,bf16,contiguous")
 
 
-@pytest.fixture(scope="module")
-def masked_audit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("audit_masked")
-    _run("--quick", "--masked", "--out", str(out))
-    return json.loads((out / "kernel_audit.json").read_text()), (out / "kernel_audit.md").read_text()
+@pytest.fixture(scope="module", params=["cases", pytest.param("quick", marks=pytest.mark.compile_sweep)])
+def masked_audit(request, kernel_audit, tmp_path_factory):
+    """Rows and markdown of the masked audit: of CASES, or the whole quick one (the sweep)."""
+    jobs = [("--quick",)] if request.param == "quick" else [("--case", case) for case in CASES]
+    rows, md = [], ""
+    for job in jobs:
+        out = tmp_path_factory.mktemp("audit_masked")
+        kernel_audit(*job, "--masked", "--out", str(out))
+        rows += json.loads((out / "kernel_audit.json").read_text())
+        md += (out / "kernel_audit.md").read_text()
+    return rows, md, request.param
 
 
 def test_covers_images_and_sequences(masked_audit):
-    rows, md = masked_audit
-    assert {r["shape"] for r in rows} == {"32x256x14x14", "32x2048x7x7", "32x256x499"}
-    assert {(r["dtype"], r["layout"]) for r in rows} == {(d, lay) for d in ("bf16", "fp32")
-                                                         for lay in ("contiguous", "channels_last")}  # fmt: skip
+    rows, md, form = masked_audit
+    if form == "quick":
+        assert {r["shape"] for r in rows} == {"32x256x14x14", "32x2048x7x7", "32x256x499"}
+        assert {(r["dtype"], r["layout"]) for r in rows} == {(d, lay) for d in ("bf16", "fp32")
+                                                             for lay in ("contiguous", "channels_last")}  # fmt: skip
+    else:
+        assert {(r["shape"], r["dtype"], r["layout"]) for r in rows} == {tuple(c.split(",")) for c in CASES}
     assert all(r["constexprs"].get("HAS_MASK") for r in rows), "every audited launch must be a masked one"
     assert "masked BatchNorm" in md and "--masked" in md
 
 
 def test_no_spills_and_at_most_128_registers(masked_audit):
-    rows, _ = masked_audit
+    rows, *_ = masked_audit
     bad = [(r["kernel"], r["shape"], r["dtype"], r["layout"], r["registers"], r["spill_bytes"]) for r in rows
            if r["spill_bytes"] or r["registers"] > MAX_REGISTERS]  # fmt: skip
     assert not bad, bad
 
 
 def test_a_mask_adds_no_launch(masked_audit):
-    rows, _ = masked_audit
+    rows, *_ = masked_audit
     per_pass = {}
     for r in rows:
         per_pass.setdefault((r["shape"], r["dtype"], r["layout"], r["mode"]), []).append(r["kernel"])
@@ -46,7 +61,7 @@ def test_a_mask_adds_no_launch(masked_audit):
 
 
 def test_round_trips_per_iteration(masked_audit):
-    rows, _ = masked_audit
+    rows, *_ = masked_audit
     for r in rows:
         trips = r["round_trips_per_iteration"]
         if trips is None:

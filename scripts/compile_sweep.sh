@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# CI's exhaustive compile sweep (the tests marked compile_sweep, which the README's test command leaves out):
+# tests/helpers/aot_compile.py --quick for sm_90 and --smoke for every target, and the whole masked kernel audit
+# (--quick --masked), with the newest torch/Triton (.venv), in one Triton cache. It is CPU work with no
+# downloads, so CI runs it beside scripts/oldest.sh, whose set-up is mostly a download (docs/contributing.md,
+# "Compiling without a GPU").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+.venv/bin/python -m pytest -q -p no:cacheprovider -m compile_sweep \
+    tests/kernels/test_aot_compile.py tests/kernels/test_kernel_audit_masked.py
+echo "compile sweep: done in $((SECONDS - start)) s"
