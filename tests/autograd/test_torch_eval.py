@@ -300,3 +300,27 @@ def test_eval_under_autograd_eager_is_the_custom_ops_bitwise(monkeypatch, layout
     for path, other in zip(("function", "custom_ops"), runs[1:], strict=True):
         for i, (a, b) in enumerate(zip(runs[0], other, strict=True)):
             assert (a is None and b is None) or torch.equal(a, b), f"{path}: item {i}"
+
+
+@pytest.mark.parametrize("custom_ops", [False, True], ids=["eager", "custom-ops"])
+def test_eval_gradient_penalty_is_torchs(evals, monkeypatch, custom_ops):
+    """Double backward of an eval call (a gradient penalty, ``create_graph=True``): torch's own answer, whether
+    autograd recorded torch's ops (eager) or the custom ops' Function recomputes the gradients (``higher_order``)."""
+    from tritonbn._core import dispatch
+
+    if custom_ops:
+        monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
+    bn = _layer(3, torch.float64)
+    plain = torch.nn.BatchNorm2d(3).double().eval()
+    plain.load_state_dict(bn.state_dict())
+    x = torch.randn(4, 3, 5, 2, dtype=torch.float64) * 2 + 1
+    dy = torch.randn_like(x)
+    grads = []
+    for layer in (bn, plain):
+        xg = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad((layer(xg) * dy).sum(), xg, create_graph=True)
+        (gx.pow(2).sum() + gx.sum()).backward()
+        grads.append((gx.detach(), layer.weight.grad.clone()))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    assert evals.get("recorded", 0) == (0 if custom_ops else 1)
