@@ -248,12 +248,13 @@ def _eval_recordable(x, weight, bias, running_mean, running_var, residual) -> bo
     types torch's eval kernel takes as they are, buffers of the type :func:`evaluated_backward` gives them back
     (``weight``'s, or the arithmetic type), and no 16-bit residual (that sum is made in float32 and rounded once,
     and its act'(z) read from a 16-bit output: the Function takes it)."""
+    acc = compute_dtype(x.dtype)
     return (
-        x.numel() > 0
-        and _native_layout(x)
+        (residual is None or x.dtype == acc)
+        and running_mean.dtype == (acc if weight is None else weight.dtype)
         and _eval_types(x, weight, bias, running_mean, running_var)
-        and running_mean.dtype == (weight.dtype if weight is not None else compute_dtype(x.dtype))
-        and (residual is None or x.dtype == compute_dtype(x.dtype))
+        and x.numel() > 0
+        and _native_layout(x)
     )
 
 
