@@ -15,17 +15,25 @@ from tritonbn.backends.torch import local
 
 @pytest.fixture
 def evals(monkeypatch):
-    """How many eval calls the one native pass took (``taken``) and declined."""
+    """How many eval calls the one native pass took (``taken``) and declined, and how many eager calls under autograd
+    torch's own ops took, recorded by autograd (``recorded``, counted only when taken)."""
     monkeypatch.setenv("TRITONBN_BACKEND", "torch")
     seen = {"taken": 0, "declined": 0}
-    original = local.evaluated
+    original, original_recorded = local.evaluated, local.recorded_eval
 
     def count(*args):
         y = original(*args)
         seen["taken" if y is not None else "declined"] += 1
         return y
 
+    def count_recorded(*args):
+        y = original_recorded(*args)
+        if y is not None:
+            seen["recorded"] = seen.get("recorded", 0) + 1
+        return y
+
     monkeypatch.setattr(local, "evaluated", count)
+    monkeypatch.setattr(local, "recorded_eval", count_recorded)
     return seen
 
 
@@ -71,11 +79,12 @@ def test_float64_is_f_batch_norm(evals, grad, epilogue):
         ref.backward(dy)
         assert torch.equal(y, ref)
         for got, want in zip(grads, (xb.grad, bn.weight.grad, bn.bias.grad), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)  # the packed path's backward
+            assert torch.equal(got, want)  # torch's own eval backward, recorded by autograd
+        assert evals == {"taken": 0, "declined": 0, "recorded": 1}
     else:
         with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
             assert torch.equal(bn(x, r), _reference(bn, x, r))
-    assert evals == {"taken": 1, "declined": 0}
+        assert evals == {"taken": 1, "declined": 0}
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -105,7 +114,7 @@ def test_large_mean_within_the_inputs_rounding(evals, layout, grad):
     assert ((y.detach().double() - y64).abs() <= bound).all()
     assert bound.max() < 1e-3 * y64.abs().max()  # the bound is the input's rounding, not a loose one
     assert torch.equal(y.detach(), F.batch_norm(x.detach(), bn.running_mean, bn.running_var, bn.weight, bn.bias))
-    assert evals == {"taken": 1, "declined": 0}
+    assert evals == {"taken": 0, "declined": 0, "recorded": 1}  # the parameters require grad: autograd records
 
 
 def test_declines_where_the_packed_path_takes_the_call(evals):
@@ -181,3 +190,137 @@ def test_remembered_checks_still_reject(monkeypatch, training):
     assert "_tritonbn_settings" not in bn.__dict__
     bn(x.double())
     assert bn._tritonbn_settings is not settings
+
+
+EPILOGUES = [None, "relu", "residual", "residual_relu", "residual_silu", "residual_leaky"]
+
+
+def _epilogue_layer(C, epilogue, dtype=torch.float32):
+    activation = {"relu": "relu", "residual_relu": "relu", "residual_silu": "silu", "residual_leaky": "leaky_relu"}
+    kwargs = {"negative_slope": -0.2} if epilogue == "residual_leaky" else {}  # a slope autograd needs z for
+    return _layer(C, dtype, activation=activation.get(epilogue), **kwargs)
+
+
+def _reference64(bn, x, residual, running_mean, running_var):
+    """The float64 oracle: ``F.batch_norm`` in eval over the buffers as they were, then the epilogue in torch's ops."""
+    y = F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    if residual is not None:
+        y = y + residual
+    if bn.activation == "relu":
+        y = F.relu(y)
+    elif bn.activation == "silu":
+        y = F.silu(y)
+    elif bn.activation == "leaky_relu":
+        y = F.leaky_relu(y, bn.negative_slope)
+    return y
+
+
+def _eval_step(bn, x, r, dy, train_between=False):
+    """One eval forward under autograd (nothing in ``no_grad``), optionally a training call that updates the buffers
+    in place before the backward; ``(y, dx, dweight, dbias, dresidual)``."""
+    bn.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    r = None if r is None else r.clone().requires_grad_()
+    y = bn(x, r)
+    if train_between:
+        bn.train()
+        bn(torch.randn_like(x) * 2 + 1)
+        bn.eval()
+    y.backward(dy)
+    return y.detach(), x.grad, bn.weight.grad, bn.bias.grad, None if r is None else r.grad
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_eval_under_autograd_is_the_float64_oracle(evals, layout, dtype, epilogue):
+    """An eval call that autograd records (input, parameters and residual requiring grad): the values and every
+    gradient of the float64 oracle, to the bit in float64 and within rounding in float32 and bfloat16 (float32
+    parameters and buffers beside a bfloat16 input, as under autocast), in both layouts, a training call updating
+    the buffers between forward and backward (the backward reads them as they were)."""
+    bn = _epilogue_layer(6, epilogue, torch.float64 if dtype == torch.float64 else torch.float32)
+    rm, rv = bn.running_mean.double().clone(), bn.running_var.double().clone()
+    x = torch.randn(4, 6, 5, 3, dtype=torch.float64) * 3 + 1
+    r = torch.randn_like(x) if epilogue is not None and epilogue.startswith("residual") else None
+    dy = torch.randn_like(x)
+    if layout == "channels_last":
+        x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
+    x, dy = x.to(dtype), dy.to(dtype)
+    r = None if r is None else r.to(dtype)
+    got = _eval_step(bn, x, r, dy, train_between=True)
+    assert got[0].dtype == dtype and got[0].stride() == x.stride()
+    ref = bn.double()
+    xs = x.double().requires_grad_()
+    rs = None if r is None else r.double().requires_grad_()
+    ref.zero_grad(set_to_none=True)
+    want_y = _reference64(ref, xs, rs, rm, rv)
+    want_y.backward(dy.double())
+    want = (want_y.detach(), xs.grad, ref.weight.grad, ref.bias.grad, None if r is None else rs.grad)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if b is None:
+            assert a is None
+        elif dtype == torch.float64:
+            assert torch.equal(a, b), f"item {i}"
+        elif dtype == torch.float32:
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=f"item {i}")
+        else:  # a 16-bit value within bf16 rounding of its size; float32 weight and bias gradients summed over it
+            torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=3e-2, msg=f"item {i}")
+    if dtype == torch.bfloat16 and r is not None:  # a 16-bit residual: the Function (float32 sum, rounded once)
+        assert evals.get("recorded", 0) == 0
+    else:
+        assert evals.get("recorded", 0) == 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, "bfloat16_layer"])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_eval_under_autograd_eager_is_the_custom_ops_bitwise(monkeypatch, layout, dtype, epilogue):
+    """The eager eval call autograd records (torch's own eval kernel and backward) against the custom ops that
+    ``torch.compile`` traces (``tritonbn._core.custom_ops``): the same bits, the output and every gradient, with a
+    training call updating the buffers between forward and backward; and so is the eager Function where it takes
+    the call (forward-mode AD on, a 16-bit residual)."""
+    from tritonbn._core import dispatch
+
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    layer_dtype = torch.bfloat16 if dtype == "bfloat16_layer" else torch.float64 if dtype == torch.float64 else None
+    dtype = torch.bfloat16 if dtype == "bfloat16_layer" else dtype
+    x = (torch.randn(4, 6, 5, 3) * 3 + 1).to(dtype)
+    r = torch.randn_like(x) if epilogue is not None and epilogue.startswith("residual") else None
+    dy = torch.randn_like(x)
+    if layout == "channels_last":
+        x, dy = x.to(memory_format=torch.channels_last), dy.to(memory_format=torch.channels_last)
+    runs = []
+    for path in ("eager", "function", "custom_ops"):
+        bn = _epilogue_layer(6, epilogue, layer_dtype or torch.float32)
+        if path == "function":  # the eager Function: as under forward-mode AD
+            monkeypatch.setattr(local, "recorded_eval", lambda *args: None)
+        if path == "custom_ops":
+            monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
+        runs.append(_eval_step(bn, x, r, dy, train_between=True))
+    for path, other in zip(("function", "custom_ops"), runs[1:], strict=True):
+        for i, (a, b) in enumerate(zip(runs[0], other, strict=True)):
+            assert (a is None and b is None) or torch.equal(a, b), f"{path}: item {i}"
+
+
+@pytest.mark.parametrize("custom_ops", [False, True], ids=["eager", "custom-ops"])
+def test_eval_gradient_penalty_is_torchs(evals, monkeypatch, custom_ops):
+    """Double backward of an eval call (a gradient penalty, ``create_graph=True``): torch's own answer, whether
+    autograd recorded torch's ops (eager) or the custom ops' Function recomputes the gradients (``higher_order``)."""
+    from tritonbn._core import dispatch
+
+    if custom_ops:
+        monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
+    bn = _layer(3, torch.float64)
+    plain = torch.nn.BatchNorm2d(3).double().eval()
+    plain.load_state_dict(bn.state_dict())
+    x = torch.randn(4, 3, 5, 2, dtype=torch.float64) * 2 + 1
+    dy = torch.randn_like(x)
+    grads = []
+    for layer in (bn, plain):
+        xg = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad((layer(xg) * dy).sum(), xg, create_graph=True)
+        (gx.pow(2).sum() + gx.sum()).backward()
+        grads.append((gx.detach(), layer.weight.grad.clone()))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    assert evals.get("recorded", 0) == (0 if custom_ops else 1)

@@ -9,8 +9,9 @@ A call is checked (:mod:`tritonbn._core.checks`, and with ``TRITONBN_DEBUG=1`` t
   (:func:`tritonbn._core.lowering.under_transform`; a layer that would synchronize raises an error naming the way out);
 * compiled, traced, or under a dispatch mode: the custom ops (:mod:`tritonbn._core.custom_ops`);
 * eager, with autograd: :class:`tritonbn._core.eager.EagerBatchNormFunction`, straight over the launchers (on the
-  PyTorch backend, a layer that synchronizes with nobody runs torch's own ops instead, which autograd records
-  itself: :func:`tritonbn.backends.torch.local.recorded`);
+  PyTorch backend, a layer that synchronizes with nobody, and every eval call without a mask, runs torch's own ops
+  instead, which autograd records itself: :func:`tritonbn.backends.torch.local.recorded` and
+  :func:`~tritonbn.backends.torch.local.recorded_eval`);
 * without autograd (inference, or nothing needs a gradient): :func:`~tritonbn._core.passes.forward_pass` alone.
 
 A call is a :class:`~tritonbn._core.call.LayerSettings` (built by :func:`~tritonbn._core.call.settings_for`,
@@ -121,6 +122,11 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
                 settings, input, t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked, t.sink,
                 t.residual,
             )  # fmt: skip
+            if y is not None:
+                return y
+        elif local is not None and not settings.training and t.mask is None and not forward_ad_active():
+            # eval never synchronizes: torch's own eval kernel, recorded by autograd itself (None: the Function)
+            y = local.recorded_eval(settings, input, t.weight, t.bias, t.running_mean, t.running_var, t.residual)
             if y is not None:
                 return y
         return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)

@@ -22,7 +22,9 @@ instead, torch's own passes without the packed statistics, its epilogue in torch
 (:mod:`tritonbn.backends.torch.local`): here for the custom ops and calls that record no autograd; an eager
 call that records autograd runs the same ops before any Function (:mod:`tritonbn._core.dispatch`). In eval (running
 statistics, no mask) the PyTorch backend's forward is one native eval pass over ``x``, here for every call
-(:func:`tritonbn.backends.torch.local.evaluated`); its backward is the launchers' eval backward below.
+(:func:`tritonbn.backends.torch.local.evaluated`); its backward is torch's own eval backward over the running
+statistics as they were at forward, which ``stats`` then carries (:func:`~tritonbn.backends.torch.local.running_stats`,
+:func:`~tritonbn.backends.torch.local.evaluated_backward`), the launchers' eval backward below where that declines.
 
 Each launcher is one kernel launch. Float64 inputs compute in float64 throughout (saved invstd and
 the backward sums too), so ``torch.autograd.gradcheck`` holds at its default tolerances.
@@ -66,7 +68,8 @@ from tritonbn.distributed import all_reduce_sum
 
 
 def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
-    """The forward pass over ``backend``'s launchers: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval.
+    """The forward pass over ``backend``'s launchers: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval (on
+    the PyTorch backend with ``save_stats``, the running statistics as they are now, for the eval backward).
 
     Training: local stats, the one all-reduce over ``settings.group`` (``None``: no communication), then
     ``y = act(bn(x) + residual)`` and the in-place running-stat update. ``stats`` is the global packed
@@ -84,12 +87,14 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
     ``(N, *S)`` tensor, True at real positions; statistics and count cover those, and ``y`` is 0 at the others.
     """
     t = operands
-    stats = None
+    stats = running = None
     if not settings.training and t.mask is None and backend.local is not None:  # eval: one native pass
         rm, rv = t.running_mean, t.running_var
         out = backend.local.evaluated(settings, t.input, t.weight, t.bias, rm, rv, t.residual, save_stats)
         if out is not None:
             return out
+        if save_stats:  # the running statistics as they are now, for the eval backward (evaluated_backward)
+            running = backend.local.running_stats(rm, rv)
     if settings.training:
         backward = in_backward()
         if backward:
@@ -116,7 +121,7 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
         residual=t.residual, activation=settings.activation, negative_slope=settings.negative_slope,
         save_stats=save_stats, mask=t.mask,
     )  # fmt: skip
-    return y, mean, invstd, stats
+    return y, mean, invstd, (stats if running is None else running)
 
 
 def backward_pass(backend, settings, grad_out, saved: Saved, needs):
@@ -135,6 +140,11 @@ def backward_pass(backend, settings, grad_out, saved: Saved, needs):
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", signature(s.x, True, input_grad), name=settings.name)
     local = backend.local  # the PyTorch backend's local path; None for the kernels
+    if local is not None and not training and s.mask is None and s.stats is not None:  # eval: torch's own backward
+        kept = s.residual, s.output  # what the epilogue's act'(z) is read from
+        grads = local.evaluated_backward(settings, grad_out, s.x, s.weight, s.bias, s.stats, *kept, needs)
+        if grads is not None:
+            return grads
     if local is not None and synchronizes_with_nobody(settings, s.mask):
         if s.x.numel():  # torch's kernels divide by the count: an empty input's are packed
             kept = s.residual, s.output  # what the epilogue's act'(z) is read from

@@ -16,7 +16,10 @@ modules would (``benchmarks/cpu_train_step.py`` times both), in one of two forms
 
 In eval with running statistics nothing synchronizes either: :func:`evaluated` is then torch's own eval kernel over
 the input, one native pass as ``nn.BatchNorm2d``'s, its epilogue in place (the passes call it for every eval call
-without a mask, whether autograd records the call through the eager Function or not).
+without a mask that autograd does not record, and for the eager Function and the custom ops). An eager eval call
+that autograd records runs :func:`recorded_eval` instead, the same kernel recorded by autograd itself, so that its
+backward is torch's own nodes; the Function and the custom ops' backward (:func:`evaluated_backward`) make the same
+native calls over the running statistics saved at forward (:func:`running_stats`), so all three agree bitwise.
 
 ``layer`` is the layer's settings: its ``momentum`` and ``eps`` are read. The caller passes no running
 statistics for a forward that must not update them (an activation-checkpointing recompute).
@@ -226,7 +229,89 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
         return y, None, None, None
     mean = running_mean.to(torch.float64, copy=True)  # an output of its own, never the running buffer
     invstd = _as((running_var.double() + layer.eps).rsqrt_(), compute_dtype(x.dtype))  # as the packed path's
-    return y, mean, invstd, None
+    return y, mean, invstd, running_stats(running_mean, running_var)
+
+
+def running_stats(running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
+    """``[running_mean | running_var | 0]`` in float64, the packed statistics' shape: what an eval call's backward
+    reads (:func:`evaluated_backward`), the buffers as they were at forward (a later training call updates them in
+    place), exact in float64 for every buffer type."""
+    C = running_mean.shape[0]
+    stats = running_mean.new_zeros(2 * C + 1, dtype=torch.float64)
+    stats[:C].copy_(running_mean)
+    stats[C : 2 * C].copy_(running_var)
+    return stats
+
+
+def _eval_recordable(x, weight, bias, running_mean, running_var, residual) -> bool:
+    """Whether :func:`recorded_eval` takes an eval call: a non-empty input in a layout torch's kernels keep, the
+    types torch's eval kernel takes as they are, buffers of the type :func:`evaluated_backward` gives them back
+    (``weight``'s, or the arithmetic type), and no 16-bit residual (that sum is made in float32 and rounded once,
+    and its act'(z) read from a 16-bit output: the Function takes it)."""
+    acc = compute_dtype(x.dtype)
+    return (
+        (residual is None or x.dtype == acc)
+        and running_mean.dtype == (acc if weight is None else weight.dtype)
+        and _eval_types(x, weight, bias, running_mean, running_var)
+        and x.numel() > 0
+        and _native_layout(x)
+    )
+
+
+def recorded_eval(layer, x, weight, bias, running_mean, running_var, residual=None):
+    """``y`` of an eager eval call whose ops autograd records, or ``None`` where the Function takes the call.
+
+    torch's own eval kernel over ``x`` (as :func:`evaluated`, the same values), on copies of the running statistics
+    (autograd's node reads them in backward, after a training call may have updated the buffers), then the epilogue
+    (:func:`_epilogue`): the backward is torch's own nodes, as ``nn.BatchNorm2d``'s, and the custom ops' backward
+    (:func:`evaluated_backward`) makes the same calls over the same numbers, so that eager and compiled calls agree
+    bitwise."""
+    if not _eval_recordable(x, weight, bias, running_mean, running_var, residual):
+        return None
+    rm, rv = running_mean.clone(), running_var.clone()
+    y = torch.native_batch_norm(x, weight, bias, rm, rv, False, 0.0, layer.eps)[0]
+    if residual is None and layer.activation is None:
+        return y
+    return _epilogue(layer, y, residual, True)
+
+
+def _backward_types(x, weight) -> bool:
+    """Whether torch's eval backward takes ``x`` and ``weight`` as they are (``weight`` of ``x``'s type, or float32
+    beside a 16-bit ``x``)."""
+    return weight is None or weight.dtype == x.dtype or weight.dtype == compute_dtype(x.dtype)
+
+
+def evaluated_backward(layer, grad_out, x, weight, bias, stats, residual, output, needs):
+    """``(dx, dweight, dbias, dresidual)`` of an eval call, as autograd computes them over :func:`recorded_eval`'s
+    ops: ``dz = dy * act'(z)`` (from the output where its sign gives it, else from ``z`` made again by the same eval
+    kernel), then ``aten.native_batch_norm_backward`` in eval mode over the running statistics the forward saved in
+    ``stats`` (:func:`running_stats`), of ``weight``'s type (or the arithmetic type). ``None`` where the launchers'
+    eval backward takes it: an empty input, a layout torch's kernels do not keep, parameters of other types, and a
+    16-bit input whose act'(z) was read beside a residual (see :func:`_eval_recordable`)."""
+    acc = compute_dtype(x.dtype)
+    if not (x.numel() and _native_layout(x) and _backward_types(x, weight)):
+        return None
+    if x.dtype != acc and (residual is not None or output is not None):
+        return None
+    input_grad, weight_grad, bias_grad, residual_grad = needs
+    C = x.shape[1]
+    dtype = weight.dtype if weight is not None else acc
+    rm, rv = _to(stats[:C], dtype), _to(stats[C : 2 * C], dtype)
+    activation, slope = layer.activation, layer.negative_slope
+    dz = grad_out
+    if activation is not None and output is not None and output_gives_grad(activation, slope):
+        dz = _act_backward(grad_out, output, activation, slope, True)
+    elif activation is not None:
+        z = torch.native_batch_norm(x, weight, bias, rm, rv, False, 0.0, layer.eps)[0]
+        if residual is not None:
+            z.add_(residual)
+        dz = _act_backward(grad_out, z, activation, slope, False)  # act'(z) from z's sign: as from y's, same bits
+    dr = (dz.clone() if dz is grad_out else dz) if residual_grad else None  # an op's outputs may not alias its inputs
+    mask = [input_grad, weight_grad, bias_grad]
+    if not any(mask):
+        return None, None, None, dr
+    dx, dw, db = _aten.native_batch_norm_backward(dz, x, weight, rm, rv, None, None, False, layer.eps, mask)
+    return (dx if input_grad else None), (dw if weight_grad else None), (db if bias_grad else None), dr
 
 
 def forward(
