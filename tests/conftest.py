@@ -38,35 +38,39 @@ def pytest_configure(config):
 
 
 # The inner tier, ``pytest -m "not slow"`` (docs/contributing.md), leaves these out: test files (a path under tests/)
-# or single tests (a node id's start) that compile for GPUs, start scripts or train whole networks.
+# or single tests (a node id's start) that compile for GPUs, start scripts, train whole networks or run gradcheck's
+# many calls on the kernels; and every multi-rank test but INNER_RANKS, which runs both backends on two ranks.
 SLOW = (
     "kernels/test_aot_compile.py",
     "kernels/test_kernel_audit.py",
     "kernels/test_kernel_audit_masked.py",
     "kernels/test_launch.py",
+    "kernels/test_dtypes.py::test_gradcheck_float64",
     "autograd/test_crash_hunt.py",
     "autograd/test_compile.py",
+    "autograd/test_eager_path.py::test_eager_matches_compiled_bitwise",
+    "autograd/test_higher_order.py::test_gradgradcheck",
+    "autograd/test_higher_order.py::test_forward_ad_under_compile",
+    "autograd/test_properties.py",
     "cli/",
-    "distributed/test_checkpoint_loops.py",
-    "distributed/test_diagnose.py",
-    "distributed/test_scaling.py",
-    "distributed/test_masked_ranks.py",
-    "distributed/test_accumulate.py",
-    "distributed/test_groups.py",
     "integrations/test_lightning.py",
     "integrations/test_mmengine.py",
     "integrations/test_export.py::test_aot_inductor_package_runs_on_cpu",
+    "integrations/test_export.py::test_training_mode_compile_at_world_size_1",
     "api/test_versions.py",
     "api/test_docs.py",
+    "api/test_layout.py::test_command_line_entry_points",
 )
+INNER_RANKS = "distributed/test_training.py"
 
 
 def pytest_collection_modifyitems(config, items):
     root = os.path.dirname(os.path.abspath(__file__))
     for item in items:
-        if os.path.relpath(str(item.path), root).replace(os.sep, "/").startswith(SLOW) or any(
-            item.nodeid.split("tests/", 1)[-1].startswith(s) for s in SLOW if "::" in s
-        ):
+        where = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+        test = where + "::" + item.name
+        distributed = item.get_closest_marker("distributed") is not None and where != INNER_RANKS
+        if distributed or where.startswith(SLOW) or test.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
     if DEVICE == "cpu":
         return

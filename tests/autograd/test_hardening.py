@@ -245,6 +245,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.distributed
 def test_debug_mode_raises_on_every_rank(tmp_path, monkeypatch):
     """At the first call that differs, every rank raises the same error naming each rank's layer; no state changes."""
     monkeypatch.setenv("TRITONBN_DEBUG", "1")
@@ -293,6 +294,7 @@ def _rank_debug_ok(rank, world, out_dir):
     save_rank(out_dir, rank, {"grad": x.grad, "rm": bn.running_mean})
 
 
+@pytest.mark.distributed
 def test_debug_mode_passes_matching_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONBN_DEBUG", "1")
     spawn(2, _rank_debug_ok, str(tmp_path))
@@ -414,6 +416,7 @@ def _rank_checkpoint(rank, world, out_dir, reentrant):
     save_rank(out_dir, rank, {"y": y.detach(), "dx": dx, "rm": bn.running_mean, "nbt": bn.num_batches_tracked})
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpoint_across_ranks(tmp_path, reentrant):
     spawn(2, _rank_checkpoint, str(tmp_path), reentrant)
