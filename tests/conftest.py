@@ -80,9 +80,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def rank_pools():
-    """The gloo ranks a module spawns are kept for its later runs (tests/helpers/dist.py), closed at its end."""
+    """The gloo ranks the tests spawn are kept for later runs (tests/helpers/dist.py), closed at the session's end."""
     with pooled():
         yield
 

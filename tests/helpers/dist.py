@@ -2,10 +2,12 @@
 
 Spawning ranks costs seconds (each imports torch, Triton and tritonbn, then joins a gloo group), often more than
 the test's own work. So by default (``tests/conftest.py``'s ``rank_pools`` fixture) the ranks of one world size
-are spawned once per test module and kept: :func:`spawn` hands each ``fn`` to them, and they run it in their
-process group as a fresh spawn would. Between two runs a rank puts back what a run may have changed: the
-environment, ``torch.distributed``'s functions (tests wrap ``all_reduce`` to count it), warning filters, torch's
-thread count, default dtype and grad mode, and torch.compile's caches. A run that fails, or a rank that dies,
+are spawned once per test session (per xdist worker) and kept: :func:`spawn` hands each ``fn`` to them, and they
+run it in their process group as a fresh spawn would, with the test process's environment and ``sys.path``.
+Each run starts with torch's random generator as a fresh process has it. Between two runs a rank puts back what a
+run may have changed: the environment and ``sys.path``,
+``torch.distributed``'s functions (tests wrap ``all_reduce`` to count it), warning filters, torch's thread count,
+default dtype and grad mode, and torch.compile's caches. A run that fails, or a rank that dies,
 closes the pool: the next run starts fresh ranks. A run with a ``timeout`` of its own spawns fresh ranks.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -77,8 +80,10 @@ class RankPool:
 
     def run(self, fn, args: tuple) -> None:
         env = dict(os.environ)  # backend_env and the tests' settings, as a fresh spawn would inherit them
+        # fn and args are unpickled in the rank after it takes this sys.path: the path pytest gave the test's module
+        task = (pickle.dumps((fn, args)), env, list(sys.path))
         for inbox in self._inboxes:
-            inbox.put((fn, args, env))
+            inbox.put(task)
         errors = {}
         deadline = time.monotonic() + 3 * TIMEOUT.total_seconds()
         for _ in range(self.world):
@@ -116,21 +121,25 @@ class RankPool:
 def _serve(rank: int, world: int, init: str, inbox, outbox) -> None:
     fast_interpreter.install()
     torch.set_num_threads(1)
-    env, functions = dict(os.environ), dict(vars(dist))
-    filters, dtype = list(warnings.filters), torch.get_default_dtype()
+    env, functions, base_path = dict(os.environ), dict(vars(dist)), list(sys.path)
+    filters, dtype, seed = list(warnings.filters), torch.get_default_dtype(), torch.initial_seed()
     with _spawn.process_group(torch.device("cpu"), TIMEOUT, init_method=f"file://{init}", rank=rank, world_size=world):
         while (task := inbox.get()) is not None:
             error = None
             try:
-                fn, args, task_env = task
+                payload, task_env, path = task
                 os.environ.clear()
                 os.environ.update(task_env)
+                sys.path[:] = path
+                torch.manual_seed(seed)  # the generator as a fresh process has it: the same on every rank
+                fn, args = pickle.loads(payload)
                 fn(rank, world, *args)
             except BaseException:  # noqa: BLE001 - the parent raises it
                 error = traceback.format_exc()
             finally:  # what a run may have changed, put back for the next one
                 os.environ.clear()
                 os.environ.update(env)
+                sys.path[:] = base_path
                 for name, value in functions.items():
                     if getattr(dist, name, None) is not value:
                         setattr(dist, name, value)
