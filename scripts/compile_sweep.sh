@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-.venv/bin/python -m pytest -q -p no:cacheprovider -m compile_sweep \
+# Two workers, a test each at a time (--dist load): in CI the sweep outlasts the jobs beside it, then has both cores.
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load -m compile_sweep \
     tests/kernels/test_aot_compile.py tests/kernels/test_kernel_audit_masked.py
 echo "compile sweep: done in $((SECONDS - start)) s"
