@@ -157,20 +157,32 @@ def run_layers(args) -> list[dict]:
 
 
 def layer_table(rows: list[dict]) -> str:
-    lines = ["| layer | dtype | mode | nn.BatchNorm2d (µs) | tritonbn (µs) | ratio |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    """One row per layer and dtype, a column pair per mode: ``nn.BatchNorm2d`` / tritonbn in µs, then the ratio."""
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    head = "| layer | dtype | " + " | ".join(f"{m} µs (BN / tritonbn) | {m} ratio" for m in modes) + " |"
+    lines = [head, "| --- | --- |" + " --- | --- |" * len(modes)]
+    by = {}
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['dtype']} | {r['mode']} | {r['plain_us']:.1f} | {r['tritonbn_us']:.1f} "
-                     f"| {r['ratio']:.3f} |")  # fmt: skip
+        by.setdefault((r["layer"], r["dtype"]), {})[r["mode"]] = r
+    for (layer, dtype), cells in by.items():
+        row = [f"{cells[m]['plain_us']:.1f} / {cells[m]['tritonbn_us']:.1f} | {cells[m]['ratio']:.3f}"
+               if m in cells else "- | -" for m in modes]  # fmt: skip
+        lines.append(f"| {layer} | {dtype} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| network | dtype | layout | batch | plain BN (ms) | tritonbn (ms) | ratio |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    """One row per network, dtype and layout, a column pair per batch: plain / tritonbn in ms, then the ratio."""
+    batches = list(dict.fromkeys(r["batch"] for r in rows))
+    head = "| network | dtype | layout | " + " | ".join(f"batch {b} ms (plain / tritonbn) | ratio" for b in batches)
+    lines = [head + " |", "| --- | --- | --- |" + " --- | --- |" * len(batches)]
+    by = {}
     for r in rows:
-        lines.append(f"| {r['net']} | {r['dtype']} | {r['layout']} | {r['batch']} | {r['plain_ms']:.3f} "
-                     f"| {r['tritonbn_ms']:.3f} | {r['ratio']:.3f} |")  # fmt: skip
+        by.setdefault((r["net"], r["dtype"], r["layout"]), {})[r["batch"]] = r
+    for (net, dtype, layout), cells in by.items():
+        row = [f"{cells[b]['plain_ms']:.3f} / {cells[b]['tritonbn_ms']:.3f} | {cells[b]['ratio']:.3f}"
+               if b in cells else "- | -" for b in batches]  # fmt: skip
+        lines.append(f"| {net} | {dtype} | {layout} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -184,8 +196,9 @@ def section(meta: dict, rows: list[dict], worst: float, layer_rows: list[dict] |
         f"{meta['reps']} after {meta['warmup']} warm-up calls, plain and tritonbn alternated; ratio = tritonbn / "
         f"plain. Worst ratio {worst:.3f}; {meta['seconds']:.0f} s.\n\n{table(rows)}\n"
         + (
-            f"\nOne layer (`--layers`), `nn.BatchNorm2d` against `tritonbn.SyncBatchNorm`: eval under no_grad, train "
-            f"forward+backward; median of {meta['layer_reps']} alternated blocks.\n\n{layer_table(layer_rows)}\n"
+            f"\nOne layer (`--layers`), `nn.BatchNorm2d` against `tritonbn.SyncBatchNorm`: eval under no_grad, "
+            f"eval_grad an eval forward+backward under autograd, train forward+backward; median of "
+            f"{meta['layer_reps']} alternated blocks.\n\n{layer_table(layer_rows)}\n"
             if layer_rows
             else ""
         )

@@ -40,7 +40,10 @@ def test_script_times_nets_and_layers(tmp_path):
     assert report["meta"]["grad_mode"] == "inference_mode"
     text = results.read_text()  # the tables between the markers, the rest of the file kept
     assert "old" not in text and text.startswith("# Results") and text.rstrip().endswith("## After")
-    assert "| resnet_fx | bf16 | channels_last | 2 |" in text and "| 16x256x14x14 | bf16 | train |" in text
+    # one row per network (a column pair per batch) and per layer (a column pair per mode)
+    assert "| network | dtype | layout | batch 1 ms (plain / tritonbn) | ratio | batch 2 ms" in text
+    assert "| resnet_fx | bf16 | channels_last | " in text and text.count("| resnet_fx |") == 1
+    assert "eval ratio | train µs (BN / tritonbn) | train ratio |" in text and "| 16x256x14x14 | bf16 | " in text
 
 
 def test_script_fails_above_its_bounds(tmp_path):
