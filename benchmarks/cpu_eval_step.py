@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -47,6 +46,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_nets  # noqa: E402
 from cpu_train_step import DTYPES, LAYOUTS, _batch, _models  # noqa: E402
+from cpu_train_step import _time_pair as time_pair  # noqa: E402 - one alternation for both scripts
 from results_file import write_section  # noqa: E402
 
 import tritonbn  # noqa: E402
@@ -62,22 +62,6 @@ def _forward(model, x, grad_mode):
         return time.thread_time() - t0
 
     return forward
-
-
-def time_pair(plain, tb, warmup: int, reps: int) -> tuple[float, float]:
-    """Medians (ms) of ``reps`` alternated calls of the two, which goes first alternating too."""
-    for _ in range(warmup):
-        plain()
-        tb()
-    a, b = [], []
-    for i in range(reps):
-        if i % 2:
-            b.append(tb())
-            a.append(plain())
-        else:
-            a.append(plain())
-            b.append(tb())
-    return 1e3 * statistics.median(a), 1e3 * statistics.median(b)
 
 
 def run(args) -> list[dict]:

@@ -48,15 +48,20 @@ def _layer(C, dtype=torch.float32, **kwargs):
     return bn.eval()
 
 
-def _reference(bn, x, residual=None):
-    """``nn.BatchNorm2d``'s eval followed by torch's own add and activation."""
-    y = F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+def _reference(bn, x, residual=None, running_mean=None, running_var=None):
+    """``nn.BatchNorm2d``'s eval (over the layer's buffers, or the ones given: the float64 oracle's, as they were)
+    followed by torch's own add and activation."""
+    rm = bn.running_mean if running_mean is None else running_mean
+    rv = bn.running_var if running_var is None else running_var
+    y = F.batch_norm(x, rm, rv, bn.weight, bn.bias, False, 0.0, bn.eps)
     if residual is not None:
         y = y + residual
     if bn.activation == "relu":
         y = F.relu(y)
     elif bn.activation == "silu":
         y = F.silu(y)
+    elif bn.activation == "leaky_relu":
+        y = F.leaky_relu(y, bn.negative_slope)
     return y
 
 
@@ -201,20 +206,6 @@ def _epilogue_layer(C, epilogue, dtype=torch.float32):
     return _layer(C, dtype, activation=activation.get(epilogue), **kwargs)
 
 
-def _reference64(bn, x, residual, running_mean, running_var):
-    """The float64 oracle: ``F.batch_norm`` in eval over the buffers as they were, then the epilogue in torch's ops."""
-    y = F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
-    if residual is not None:
-        y = y + residual
-    if bn.activation == "relu":
-        y = F.relu(y)
-    elif bn.activation == "silu":
-        y = F.silu(y)
-    elif bn.activation == "leaky_relu":
-        y = F.leaky_relu(y, bn.negative_slope)
-    return y
-
-
 def _eval_step(bn, x, r, dy, train_between=False):
     """One eval forward under autograd (nothing in ``no_grad``), optionally a training call that updates the buffers
     in place before the backward; ``(y, dx, dweight, dbias, dresidual)``."""
@@ -253,7 +244,7 @@ def test_eval_under_autograd_is_the_float64_oracle(evals, layout, dtype, epilogu
     xs = x.double().requires_grad_()
     rs = None if r is None else r.double().requires_grad_()
     ref.zero_grad(set_to_none=True)
-    want_y = _reference64(ref, xs, rs, rm, rv)
+    want_y = _reference(ref, xs, rs, rm, rv)
     want_y.backward(dy.double())
     want = (want_y.detach(), xs.grad, ref.weight.grad, ref.bias.grad, None if r is None else rs.grad)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):

@@ -259,16 +259,7 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
                         progress.step(f"{s.label} {mode} {provider}")
                     continue
                 for provider in names:
-                    row = {
-                        "shape": s.label,
-                        "dtype": str(s.dtype).replace("torch.", ""),
-                        "layout": s.layout,
-                        "stride": ",".join(map(str, s.stride)),
-                        "layers": len(s.layers),
-                        "calls": s.calls,
-                        "mode": mode,
-                        "provider": provider,
-                    }
+                    row = _row(s, mode, provider)
                     # Every rank decides alike (rank 0's clock), so the collectives still pair up.
                     late = torch.tensor([float(deadline is not None and time.time() > deadline)])
                     if world > 1:
@@ -306,21 +297,19 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
     return {"rows": rows, "meta": meta}
 
 
+def _row(s: Shape, mode: str, provider: str) -> dict:
+    """A result row's description of one input, mode and provider (its figures are added to it)."""
+    return {"shape": s.label, "dtype": str(s.dtype).replace("torch.", ""), "layout": s.layout,
+            "stride": ",".join(map(str, s.stride)), "layers": len(s.layers), "calls": s.calls, "mode": mode,
+            "provider": provider}  # fmt: skip
+
+
 def _interleaved_rows(names, s: Shape, mode, device, group, world, timer: Timer, deadline, backend_env) -> list:
     """The rows of one (input, mode) on one CPU rank: the providers timed in turn, call by call (:meth:`Timer.
     interleaved`), each with its median and spread; a provider that fails is recorded and left out."""
     rows, cases, envs = {}, {}, {}
     for provider in names:
-        rows[provider] = {
-            "shape": s.label,
-            "dtype": str(s.dtype).replace("torch.", ""),
-            "layout": s.layout,
-            "stride": ",".join(map(str, s.stride)),
-            "layers": len(s.layers),
-            "calls": s.calls,
-            "mode": mode,
-            "provider": provider,
-        }
+        rows[provider] = _row(s, mode, provider)
         if deadline is not None and time.time() > deadline:
             rows[provider]["error"] = "skipped: time budget spent"
             continue
