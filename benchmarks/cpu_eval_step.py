@@ -44,8 +44,7 @@ os.environ.pop("TRITONBN_DEBUG", None)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cpu_nets  # noqa: E402
-from cpu_train_step import DTYPES, LAYOUTS, _batch, _models  # noqa: E402
+from cpu_train_step import DTYPES, LAYOUTS, _batch, _models, add_net_arguments  # noqa: E402
 from cpu_train_step import _time_pair as time_pair  # noqa: E402 - one alternation for both scripts
 from results_file import write_section  # noqa: E402
 
@@ -191,10 +190,7 @@ def section(meta: dict, rows: list[dict], worst: float, layer_rows: list[dict] |
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--small", action="store_true", help="CI sizes: smaller images (and ResNet at half width)")
-    p.add_argument("--nets", nargs="+", choices=cpu_nets.NETS, default=list(cpu_nets.NETS))
-    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    add_net_arguments(p)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="samples per forward (default 1 and 8)")
     p.add_argument("--grad-mode", choices=list(GRAD_MODES), default="inference_mode")
     p.add_argument("--reps", type=int, default=15, help="timed forwards per side (the median is reported)")

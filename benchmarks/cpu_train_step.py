@@ -297,12 +297,17 @@ def section(meta: dict, rows: list[dict], worst: float) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_net_arguments(p: argparse.ArgumentParser) -> None:
+    """The options this script and ``cpu_eval_step.py`` share: the sizes, the networks, dtypes and layouts."""
     p.add_argument("--small", action="store_true", help="CI sizes: smaller images (and ResNet at half width)")
     p.add_argument("--nets", nargs="+", choices=cpu_nets.NETS, default=list(cpu_nets.NETS))
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_net_arguments(p)
     p.add_argument("--batch", type=int, default=8, help="samples per step (per rank)")
     p.add_argument("--reps", type=int, default=7, help="timed steps per side (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
