@@ -7,18 +7,21 @@ leaving them waiting in a collective that will never pair up. Opt-in: it reads t
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import torch
 import torch.distributed as dist
 
+from tritonbn._compat import environ_reader
 from tritonbn.distributed import Relay, collective_device
+
+_debug_variable = environ_reader("TRITONBN_DEBUG")
 
 
 def debug_enabled() -> bool:
     """``TRITONBN_DEBUG=1``: check a signature across ranks before each collective."""
-    return os.environ.get("TRITONBN_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off")
+    value = _debug_variable()
+    return value is not None and value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}

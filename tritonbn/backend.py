@@ -95,9 +95,12 @@ def _triton_unusable(x: torch.Tensor) -> str | None:
     )
 
 
+_backend_variable = _compat.environ_reader("TRITONBN_BACKEND")
+
+
 def selected() -> str:
     """The value of ``TRITONBN_BACKEND``, checked."""
-    name = os.environ.get("TRITONBN_BACKEND")
+    name = _backend_variable()
     if name is None or name in BACKENDS:  # the common cases, without string work
         return name or "auto"
     name = name.strip().lower() or "auto"
@@ -110,6 +113,11 @@ def ops_for(x: torch.Tensor) -> Backend:
     """The backend whose launchers (``batch_norm_stats`` and the rest) run on ``x``."""
     name = selected()
     if name == "torch":
+        return _torch_backend
+    kernels = _load_kernels()
+    if kernels is not None and (x.is_cuda or interpreted()):  # the kernels run here (as _triton_unusable says)
+        return kernels
+    if name == "auto" and not _below_floor:  # CPU without the interpreter: the PyTorch backend, no message built
         return _torch_backend
     why = _triton_unusable(x)
     if why is None:

@@ -1,5 +1,7 @@
 """The launchers of tritonbn.kernels on their own, and the backend switch."""
 
+import os
+
 import pytest
 import torch
 from oracle import make_layout
@@ -87,6 +89,24 @@ def test_backend_switch(monkeypatch):
     monkeypatch.setenv("TRITONBN_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 .* or use TRITONBN_BACKEND=torch"):
         tritonbn.sync_batch_norm(torch.randn(4, 3, device="cpu"), None, None, training=True)
+
+
+def test_environment_read_at_each_call(monkeypatch):
+    """``TRITONBN_BACKEND`` and ``TRITONBN_DEBUG`` are read at each call, set or unset by any means (they are read
+    from ``os.environ``'s own store, :func:`tritonbn._compat.environ_reader`)."""
+    from tritonbn._signature import debug_enabled
+
+    monkeypatch.delenv("TRITONBN_BACKEND", raising=False)
+    monkeypatch.delenv("TRITONBN_DEBUG", raising=False)
+    assert backend.selected() == "auto" and not debug_enabled()
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    monkeypatch.setenv("TRITONBN_DEBUG", "1")
+    assert backend.selected() == "torch" and debug_enabled()
+    assert backend.name_for(torch.empty(0)) == "torch"
+    os.environ.update(TRITONBN_BACKEND=" Triton ", TRITONBN_DEBUG="off")
+    assert backend.selected() == "triton" and not debug_enabled()
+    del os.environ["TRITONBN_BACKEND"]
+    assert backend.selected() == "auto"
 
 
 def _odd_chunk(p) -> bool:
