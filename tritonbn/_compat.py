@@ -30,10 +30,15 @@ def environ_reader(key: str):
     if not (isinstance(data, dict) and callable(encode) and callable(decode)):
         return lambda: environ.get(key)
     encoded = encode(key)
+    last = [None, None]  # the last value read and its decoding
 
     def read() -> str | None:
         value = data.get(encoded)
-        return None if value is None else decode(value)
+        if value is None:
+            return None
+        if value is not last[0]:
+            last[:] = value, decode(value)
+        return last[1]
 
     return read
 

@@ -73,30 +73,15 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
         t = _plain(t)
         input = t.input
     compiling = torch.compiler.is_compiling()
-    # Inside backward (a checkpoint's recompute) the pass that communicates checks: a recompute that replays does not.
-    checking = settings.debug_group is not None and not compiling and debug_enabled() and not in_backward()
-    grad_mode = torch.is_grad_enabled()
-    input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
     how = exporter(compiling)  # THE export hook: the tracer recording this call, if any (it also picks the checks)
-    try:
-        if how is None and not compiling:
-            check_eager_call(settings, t, num_features)
-        elif how is None:
-            check_call(settings, t, num_features)
-        else:  # jit.trace: sizes are traced values; the checks run on the example's, with the tracer paused
-            check_traced_call(settings, t, num_features)
-    except (ValueError, TypeError) as error:
-        if checking:  # every rank stops here, instead of the others waiting in the next collective
-            fields = signature(input, settings.training, input_grad)
-            check_signature(settings.debug_group, "forward", fields, local_error=error, name=settings.name)
-        raise
-    if checking:
-        check_signature(
-            settings.debug_group, "forward", signature(input, settings.training, input_grad), name=settings.name
-        )
+    eager = how is None and not compiling
+    if eager and settings.debug_group is None:  # the ordinary eager call (no signature to compare across ranks)
+        check_eager_call(settings, t, num_features)
+    else:
+        _check(settings, t, num_features, compiling, how)
     if how is not None:  # torch.export, ONNX, jit.trace record torch's own ops
         return lowered(how, settings, t)
-    if compiling or not is_eager(input):
+    if not eager or not is_eager(input):
         if t.sink is not None:
             raise RuntimeError(ACCUMULATE_EAGER_ONLY)
         if not compiling and functorch_transforms_active():  # torch's own ops, which the transform batches
@@ -111,7 +96,18 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
             function = SyncBatchNormFunctionForwardAD
         return function.apply(*SyncBatchNormFunction.args(settings, t))
     backend = ops_for(input)
-    if input_grad or (grad_mode and params_need_grad(t.weight, t.bias, t.residual)) or forward_ad_active():
+    grad_mode = torch.is_grad_enabled()
+    records = (grad_mode and (input.requires_grad or params_need_grad(t.weight, t.bias, t.residual))) or (
+        forward_ad_active()
+    )
+    declined = False
+    if not records and not settings.training and t.mask is None and backend.local is not None:
+        # eval without autograd (inference, validation): the backend's one native pass, straight (as forward_pass)
+        out = backend.local.evaluated(settings, input, t.weight, t.bias, t.running_mean, t.running_var, t.residual)
+        if out is not None:
+            return out
+        declined = True
+    if records:
         # The PyTorch backend's local path, recorded by autograd itself (None for the kernels). Forward-mode AD
         # keeps the Function: an outer torch.compile resumed after its graph break would trace these ops.
         local = backend.local
@@ -130,7 +126,32 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
             if y is not None:
                 return y
         return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)
-    return forward_pass(backend, settings, t, save_stats=False, enclosing=True)[0]
+    return forward_pass(backend, settings, t, save_stats=False, enclosing=True, declined=declined)[0]
+
+
+def _check(settings: LayerSettings, t: Operands, num_features, compiling: bool, how: str | None) -> None:
+    """The checks of a call that is compiled, exported or traced, or whose layer compares signatures across ranks
+    (``TRITONBN_DEBUG=1``; inside backward, a checkpoint's recompute, the pass that communicates checks: a recompute
+    that replays does not)."""
+    input = t.input
+    checking = settings.debug_group is not None and not compiling and debug_enabled() and not in_backward()
+    input_grad = torch.is_grad_enabled() and isinstance(input, torch.Tensor) and input.requires_grad
+    try:
+        if how is None and not compiling:
+            check_eager_call(settings, t, num_features)
+        elif how is None:
+            check_call(settings, t, num_features)
+        else:  # jit.trace: sizes are traced values; the checks run on the example's, with the tracer paused
+            check_traced_call(settings, t, num_features)
+    except (ValueError, TypeError) as error:
+        if checking:  # every rank stops here, instead of the others waiting in the next collective
+            fields = signature(input, settings.training, input_grad)
+            check_signature(settings.debug_group, "forward", fields, local_error=error, name=settings.name)
+        raise
+    if checking:
+        check_signature(
+            settings.debug_group, "forward", signature(input, settings.training, input_grad), name=settings.name
+        )
 
 
 _SUBCLASS_BREAK = (

@@ -67,7 +67,7 @@ from tritonbn._signature import check_signature, debug_enabled, signature
 from tritonbn.distributed import all_reduce_sum
 
 
-def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
+def forward_pass(backend, settings, operands, save_stats=True, enclosing=False, declined=False):
     """The forward pass over ``backend``'s launchers: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval (on
     the PyTorch backend with ``save_stats``, the running statistics as they are now, for the eval backward).
 
@@ -82,17 +82,19 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
     call may run inside another autograd Function's forward (a reentrant checkpoint's, a compiled graph's), where its
     first forward keeps them.
 
+    ``declined``: the backend's eval (``local.evaluated``) was asked already and declined the call.
+
     ``operands.sink`` (:func:`tritonbn.accumulate_stats`): a ``(2C + 1,)`` fp64 buffer that ``stats`` is added
     into, on the device, in place of the running-stat update. ``operands.mask`` (masked BatchNorm): a bool
     ``(N, *S)`` tensor, True at real positions; statistics and count cover those, and ``y`` is 0 at the others.
     """
     t = operands
     stats = running = None
-    if not settings.training and t.mask is None and backend.local is not None:  # eval: one native pass
+    if not settings.training and t.mask is None and backend.local is not None and not declined:  # eval: one native pass
         rm, rv = t.running_mean, t.running_var
         out = backend.local.evaluated(settings, t.input, t.weight, t.bias, rm, rv, t.residual, save_stats)
         if out is not None:
-            return out
+            return out if save_stats else (out, None, None, None)
         if save_stats:  # the running statistics as they are now, for the eval backward (evaluated_backward)
             running = backend.local.running_stats(rm, rv)
     if settings.training:

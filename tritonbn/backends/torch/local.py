@@ -188,9 +188,9 @@ def _eval_types(x: torch.Tensor, weight, bias, running_mean, running_var) -> boo
     )
 
 
-def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_stats):
-    """``(y, mean, invstd, None)`` of an eval call with running statistics (``mean`` and ``invstd`` ``None`` unless
-    ``save_stats``), or ``None`` where the packed path takes the call: an empty input, a layout torch's kernels do
+def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_stats=False):
+    """``y`` of an eval call with running statistics, or with ``save_stats`` ``(y, mean, invstd, stats)`` (what a
+    backward reads), or ``None`` where the packed path takes the call: an empty input, a layout torch's kernels do
     not keep, or parameters of mixed types.
 
     ``y`` is torch's own eval kernel over ``x`` itself, one native pass, as ``nn.BatchNorm2d``'s: ``y = x * alpha
@@ -210,14 +210,18 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
     ``x`` near ``K`` standard deviations from 0 is stored to ``K`` ulp of a standard deviation). The float64 test
     holds it to that bound at ``K = 1e3`` (``tests/autograd/test_torch_eval.py``).
     """
-    if not (x.numel() and _native_layout(x) and _eval_types(x, weight, bias, running_mean, running_var)):
+    if not ((x.is_contiguous() or _native_layout(x)) and x.numel()):  # is_contiguous first: the common case, cheap
         return None
-    acc = compute_dtype(x.dtype)
-    if x.dtype == acc or residual is None:
+    if not _eval_types(x, weight, bias, running_mean, running_var):
+        return None
+    if residual is None or x.dtype == compute_dtype(x.dtype):
         y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
         if residual is not None or layer.activation is not None:
             y = _epilogue(layer, y, residual, False)
+        if not save_stats:
+            return y
     else:  # a 16-bit residual: the sum in float32, rounded once at the end (as the kernels and the export lowering)
+        acc = torch.float32
         z = x.to(acc)
         w, b, rm, rv = _as(weight, acc), _as(bias, acc), _as(running_mean, acc), _as(running_var, acc)
         e1, e2 = _constants_for(x.shape[1], acc, x.device)[2:]
@@ -225,8 +229,8 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
         if residual is not None:  # a 16-bit residual in float32 first: torch's mixed-type add_ is the slower pass
             z.add_(_to(residual, acc))
         y = _epilogue(layer, z, None, False).to(x.dtype)
-    if not save_stats:
-        return y, None, None, None
+        if not save_stats:
+            return y
     mean = running_mean.to(torch.float64, copy=True)  # an output of its own, never the running buffer
     invstd = _as((running_var.double() + layer.eps).rsqrt_(), compute_dtype(x.dtype))  # as the packed path's
     return y, mean, invstd, running_stats(running_mean, running_var)
