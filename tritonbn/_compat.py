@@ -43,6 +43,16 @@ def environ_reader(key: str):
     return read
 
 
+# --- torch: foreach ops (one call over a list of tensors, as torch.optim uses them) ---------------------------
+
+# ``r + momentum * (value - r)`` over both running buffers in one call each (the PyTorch backend's float64 update of
+# buffers of another type: tritonbn/backends/torch/local.py). Lists of mixed dtypes take torch's per-tensor path,
+# with each op's usual type promotion. torch._foreach_sub / _foreach_add_, read in torch 2.8 and 2.13. No public
+# equivalent (two calls of torch.sub / Tensor.add_ each).
+foreach_sub = torch._foreach_sub
+foreach_add_ = torch._foreach_add_
+
+
 # --- torch: autograd state, read on every call (kept as direct aliases: the host path counts ns) -----
 
 # The id of the graph task that autograd's engine is running, -1 outside backward: a forward inside a

@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tritonbn._compat import foreach_add_, foreach_sub
 from tritonbn._numerics import compute_dtype
 from tritonbn.activations import output_gives_grad
 from tritonbn.backends.torch.steps import (
@@ -75,9 +76,10 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 def _update_running(running_mean, running_var, mean64, unbiased, momentum) -> None:
     """``r + momentum * (value - r)`` in float64, rounded once into each buffer (buffers torch's kernels cannot
-    update: another dtype than the arithmetic one)."""
-    torch.add(running_mean, mean64 - running_mean, alpha=momentum, out=running_mean)
-    torch.add(running_var, unbiased.double() - running_var, alpha=momentum, out=running_var)
+    update: another dtype than the arithmetic one). Both buffers in one call of each op (``value - r`` is float64:
+    ``mean64`` and ``unbiased`` are; the in-place add computes in float64 and rounds once into the buffer)."""
+    buffers = [running_mean, running_var]
+    foreach_add_(buffers, foreach_sub([mean64, unbiased.double()], buffers), alpha=momentum)
 
 
 def _train_(d, weight, bias, rm, rv, momentum, eps):
@@ -137,11 +139,11 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
         mean = None if by_autograd and own else torch.add(mean_d.detach().double(), p)
         unbiased = rv
     else:  # torch's training kernel in its mixed-type form (16-bit input, float32 parameters): float32 statistics
-        y, mean, invstd = torch.native_batch_norm(
-            x, w, b, running_mean if own else None, running_var if own else None, True, momentum, layer.eps
-        )
+        # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
+        rm, rv = (running_mean, running_var) if own else torch.zeros(2, C, dtype=acc, device=x.device)
+        y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
         y, mean = (y if by_autograd else _in_layout_of(y, x)), (None if by_autograd and own else mean.detach().double())
-        unbiased = None if own else invstd.detach().double().pow_(-2).sub_(layer.eps).mul_(n / (n - 1))
+        unbiased = rv
     if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n
         stats_sink[:C].add_(mean, alpha=n)
         stats_sink[C : 2 * C].add_(torch.addcmul(unbiased.double() * ((n - 1) / n), mean, mean), alpha=n)
