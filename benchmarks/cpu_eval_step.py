@@ -226,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         "grad_mode": args.grad_mode, "layer_reps": args.layer_reps, "seconds": time.perf_counter() - t0,
         "tritonbn": os.path.dirname(tritonbn.__file__),
     }  # fmt: skip
-    print(f"\nworst ratio {worst:.3f}, one layer {worst_layer:.3f} in eval and {worst_train:.3f} in training; load "
-          f"average {meta['load_average'][0]:.2f}; {meta['seconds']:.0f} s")  # fmt: skip
+    parts = [f"worst ratio {worst:.3f}"] if rows else []
+    if any(r["mode"] != "train" for r in layer_rows):
+        parts.append(f"one layer {worst_layer:.3f} in eval")
+    if any(r["mode"] == "train" for r in layer_rows):
+        parts.append(f"one layer {worst_train:.3f} in training")
+    print(f"\n{', '.join(parts)}; load average {meta['load_average'][0]:.2f}; {meta['seconds']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "worst_ratio": worst, "results": rows, "worst_layer_ratio": worst_layer,
