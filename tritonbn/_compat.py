@@ -135,6 +135,12 @@ def function_of_ctx(ctx):
     return None
 
 
+# Whether torch.jit.trace (or the TorchScript ONNX exporter, which traces with it) records the current call: what
+# torch.jit.is_tracing() returns outside TorchScript, without its two Python frames (read at every eager call).
+# torch._C._is_tracing, read in torch 2.8 and 2.13; public fallback torch.jit.is_tracing.
+jit_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
+
+
 def version_of(tensor: torch.Tensor) -> int:
     """``tensor._version``: autograd's count of in-place changes to ``tensor`` (documented in autograd's notes)."""
     return tensor._version

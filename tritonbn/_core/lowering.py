@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonbn._compat import exporting
+from tritonbn._compat import exporting, jit_tracing
 from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY
 
 
@@ -41,7 +41,7 @@ def exporter(compiling: bool) -> str | None:
     """
     if compiling:
         return "torch.export" if exporting() else None  # not torch.compiler.is_exporting(): see _compat.exporting
-    if torch.jit.is_tracing():  # public (torch 2.8, 2.13); the TorchScript ONNX exporter traces with it
+    if jit_tracing():  # torch.jit.is_tracing() (torch 2.8, 2.13); the TorchScript ONNX exporter traces with it
         return "torch.onnx.export" if torch.onnx.is_in_onnx_export() else "torch.jit.trace"
     return None
 
