@@ -265,7 +265,7 @@ def batch_norm_backward_elemt(
     if launch is None:
         launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, training, activation, negative_slope,
                                                    aux, aux_kind, input_grad, dr, mask))  # fmt: skip
-    dx = torch.empty_like(x, memory_format=torch.preserve_format) if input_grad else None
+    dx = torch.empty_like(x) if input_grad else None  # preserve_format, the default
     launch(
         grad_out,
         x,

@@ -290,7 +290,7 @@ def batch_norm_elemt(
                                                    eps, residual, activation, negative_slope, save_stats,
                                                    mask))  # fmt: skip
     device = x.device
-    y = torch.empty_like(x, memory_format=torch.preserve_format)
+    y = torch.empty_like(x)  # preserve_format, the default (0.2 us cheaper than passing it)
     if save_stats:
         C = x.shape[1]
         mean = torch.empty(C, dtype=torch.float64, device=device)
