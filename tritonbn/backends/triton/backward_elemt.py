@@ -313,4 +313,11 @@ def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux
     refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, training, activation, negative_slope,
                                            aux, aux_kind, input_grad, dr, mask, device=x.device)  # fmt: skip
     return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
-                  refit=refit)  # fmt: skip
+                  refit=refit, checked=_checked(weight, bias, training, aux, dr, mask))  # fmt: skip
+
+
+def _checked(weight, bias, training, aux, dr, mask) -> tuple[int, ...]:
+    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors, not ``dx`` (which
+    it allocates), nor the stand-ins for absent tensors (``x``, ``invstd``)."""
+    given = {2: aux, 4: dr, 7: weight, 8: bias, 11: mask}
+    return tuple(sorted({0, 1, 5, 6, *(i for i, t in given.items() if t is not None), *((9, 10) if training else ())}))

@@ -381,4 +381,11 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
     refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, weight_grad, bias_grad, activation,
                                            negative_slope, aux, aux_kind, mask, device=x.device)  # fmt: skip
     return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
-                  tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit)  # fmt: skip
+                  tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit,
+                  checked=_checked(weight, bias, aux, mask))  # fmt: skip
+
+
+def _checked(weight, bias, aux, mask) -> tuple[int, ...]:
+    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors, not the sums,
+    gradients and workspace it allocates, nor the stand-ins for absent tensors (``x``, ``invstd``, the sums)."""
+    return (0, 1, 3, 4, *(i for i, t in ((2, aux), (5, weight), (6, bias), (12, mask)) if t is not None))

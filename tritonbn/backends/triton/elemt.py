@@ -359,5 +359,14 @@ def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
     refit = None if per_sm else refit_with(_launch, x, weight, bias, stats, running_mean, num_batches_tracked,
                                            momentum, eps, residual, activation, negative_slope, save_stats, mask,
                                            device=x.device)  # fmt: skip
+    checked = _checked(training, weight, bias, num_batches_tracked, residual, mask)
     return Launch(_batch_norm_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
-                  tickets=int(has_nbt), refit=refit)  # fmt: skip
+                  tickets=int(has_nbt), refit=refit, checked=checked)  # fmt: skip
+
+
+def _checked(training, weight, bias, num_batches_tracked, residual, mask) -> tuple[int, ...]:
+    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors, not ``y``,
+    the statistics it allocates, the workspace's tickets, nor the stand-ins for absent tensors (``x``, or one it
+    allocated). The running statistics are always read: either may stand in for the other's absence."""
+    given = {2: residual, 3: weight, 4: bias, 8: num_batches_tracked, 12: mask}
+    return tuple(sorted({0, 6, 7, *(i for i, t in given.items() if t is not None), *((5,) if training else ())}))
