@@ -78,9 +78,10 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     grad_mode = torch.is_grad_enabled()
     input_grad = grad_mode and isinstance(input, torch.Tensor) and input.requires_grad
     how = exporter(compiling)  # THE export hook: the tracer recording this call, if any (it also picks the checks)
+    record = None  # what an eager call without a mask or sink was checked against
     try:
         if how is None and not compiling:
-            check_eager_call(settings, t, num_features)
+            record = check_eager_call(settings, t, num_features)
         elif how is None:
             check_call(settings, t, num_features)
         else:  # jit.trace: sizes are traced values; the checks run on the example's, with the tracer paused
@@ -111,6 +112,8 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
             function = SyncBatchNormFunctionForwardAD
         return function.apply(*SyncBatchNormFunction.args(settings, t))
     backend = ops_for(input)
+    if record is not None and backend.prepare is not None:  # its launches, found once for calls like this one
+        backend = backend.prepare(record[2])
     if input_grad or (grad_mode and params_need_grad(t.weight, t.bias, t.residual)) or forward_ad_active():
         # The PyTorch backend's local path, recorded by autograd itself (None for the kernels). Forward-mode AD
         # keeps the Function: an outer torch.compile resumed after its graph break would trace these ops.

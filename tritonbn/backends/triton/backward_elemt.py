@@ -249,8 +249,18 @@ def batch_norm_backward_elemt(
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
     if not input_grad and out_grad_residual is None:
         return None
-    dr = out_grad_residual
-    # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
+    if mask is not None:
+        mask = channel_view(mask, x)
+    args = (grad_out, x, mean, invstd, weight, bias, sums, count)
+    launch = find(*args, activation, negative_slope, aux, aux_kind, input_grad, out_grad_residual, mask)
+    return run(launch, *args, aux, input_grad, out_grad_residual, mask)
+
+
+def find(grad_out, x, mean, invstd, weight, bias, sums, count, activation, negative_slope, aux, aux_kind, input_grad,
+         dr, mask=None) -> Launch:  # fmt: skip
+    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
+    from the cache keyed by what it depends on besides the pointers' alignment (``prepared``'s launchers keep it for
+    the calls of one layer like the last one)."""
     key = (
         x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
         None if weight is None else weight.dtype, None if bias is None else bias.dtype,
@@ -259,12 +269,17 @@ def batch_norm_backward_elemt(
         None if dr is None else (dr.stride(), dr.dtype),
     )  # fmt: skip
     if mask is not None:
-        mask = channel_view(mask, x)
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
-        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, training, activation, negative_slope,
-                                                   aux, aux_kind, input_grad, dr, mask))  # fmt: skip
+        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, sums is not None, activation,
+                                                   negative_slope, aux, aux_kind, input_grad, dr, mask))  # fmt: skip
+    return launch
+
+
+def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, sums, count, aux, input_grad, dr, mask=None):
+    """:func:`batch_norm_backward_elemt` with its launch found (:func:`find`): ``dx``, or ``None``."""
+    training = sums is not None
     dx = torch.empty_like(x) if input_grad else None  # preserve_format, the default
     launch(
         grad_out,

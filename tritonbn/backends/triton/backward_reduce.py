@@ -299,20 +299,35 @@ def batch_norm_backward_reduce(
         ``[sum(dz) | sum(dz * xhat)]``, to be summed over ranks; ``grad_weight = sum(dz * xhat)``
         and ``grad_bias = sum(dz)`` are this rank's own, or ``None`` when not asked for.
     """
+    if mask is not None:
+        mask = channel_view(mask, x)
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-    # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
+    launch = find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux,
+                  aux_kind, mask)  # fmt: skip
+    return run(launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask)
+
+
+def find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
+         mask=None) -> Launch:  # fmt: skip
+    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
+    from the cache keyed by what it depends on besides the pointers' alignment (``prepared``'s launchers keep it for
+    the calls of one layer like the last one)."""
     key = (
         x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
         None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad,
         activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype),
     )  # fmt: skip
     if mask is not None:
-        mask = channel_view(mask, x)
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
         launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation,
                                                    negative_slope, aux, aux_kind, mask))  # fmt: skip
+    return launch
+
+
+def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask=None):
+    """:func:`batch_norm_backward_reduce` with its launch found (:func:`find`): ``(sums, grad_weight, grad_bias)``."""
     device = x.device
     C = x.shape[1]
     sdtype = compute_dtype(x.dtype)

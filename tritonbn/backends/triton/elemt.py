@@ -266,6 +266,18 @@ def batch_norm_elemt(
         fp64 and ``invstd`` ``(C,)`` fp32 (fp64 for float64 ``x``), the statistics ``y`` was
         normalized with; both ``None`` when ``save_stats`` is false.
     """
+    if mask is not None:
+        mask = channel_view(mask, x)
+    args = (x, weight, bias, stats, running_mean, running_var, num_batches_tracked)
+    launch = find(*args, momentum, eps, residual, activation, negative_slope, save_stats, mask)
+    return run(launch, *args, residual, save_stats, mask)
+
+
+def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked, momentum, eps, residual, activation,
+         negative_slope, save_stats, mask=None) -> Launch:  # fmt: skip
+    """The launch for these arguments (``mask`` as :func:`channel_view` gives it), from the cache keyed by what it
+    depends on besides the pointers' alignment (``prepared``'s launchers keep it for the calls of one layer like the
+    last one). Raises where the arguments contradict each other."""
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
@@ -282,13 +294,18 @@ def batch_norm_elemt(
         None if residual is None else (residual.stride(), residual.dtype),
     )  # fmt: skip
     if mask is not None:
-        mask = channel_view(mask, x)
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
         launch = cache_put(_launches, key, _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
                                                    eps, residual, activation, negative_slope, save_stats,
                                                    mask))  # fmt: skip
+    return launch
+
+
+def run(launch: Launch, x, weight, bias, stats, running_mean, running_var, num_batches_tracked, residual, save_stats,
+        mask=None):  # fmt: skip
+    """:func:`batch_norm_elemt` with its launch found (:func:`find`): ``(y, mean, invstd)``."""
     device = x.device
     y = torch.empty_like(x)  # preserve_format, the default (0.2 us cheaper than passing it)
     if save_stats:
@@ -305,7 +322,7 @@ def batch_norm_elemt(
         residual if residual is not None else x,
         weight if weight is not None else dummy,
         bias if bias is not None else dummy,
-        stats if training else dummy,
+        stats if stats is not None else dummy,
         running_mean if running_mean is not None else dummy,
         running_var if running_var is not None else dummy,
         num_batches_tracked if num_batches_tracked is not None else dummy,
