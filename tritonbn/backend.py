@@ -33,7 +33,7 @@ class Backend:
     ``local``: the module of its local path (``forward``, ``backward``, ``recorded``: see
     :mod:`tritonbn.backends.torch.local`), or ``None`` where it has none (the Triton kernels), and ``prepare``:
     ``kept -> backend``, the same launchers for the eager calls of one layer that match a checked record, which
-    find their launches once (:mod:`tritonbn.backends.triton.prepared`), or ``None`` (the PyTorch backend)."""
+    find their launches once (:mod:`tritonbn.backends.triton._prepared`), or ``None`` (the PyTorch backend)."""
 
     __slots__ = ("name", "local", "prepare", *LAUNCHERS)
 

@@ -1,4 +1,4 @@
-"""The launches a layer keeps for eager calls like its last one (``tritonbn/backends/triton/prepared.py``).
+"""The launches a layer keeps for eager calls like its last one (``tritonbn/backends/triton/_prepared.py``).
 
 A layer's eager calls find their launches once per checked record (input shape, strides, dtype, device; the same
 parameters and buffers) and mode (training or eval, with or without gradients, the upstream gradient's strides

@@ -33,7 +33,7 @@ class LayerSettings:
     in those checks. ``world`` is the default process group the groups were resolved against, so that a
     module built before ``init_process_group`` resolves them again. ``checked``: what the last eager call that
     passed the checks looked like (:func:`tritonbn._core.checks.check_eager_call`), and what the backends keep
-    for calls like it (:mod:`tritonbn.backends.triton.prepared`), ``None`` before one.
+    for calls like it (:mod:`tritonbn.backends.triton._prepared`), ``None`` before one.
     """
 
     training: bool

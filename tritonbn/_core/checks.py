@@ -167,7 +167,7 @@ def check_eager_call(settings, operands, num_features: int | None = None) -> Non
     ``accumulate_stats`` sink is checked every call.
 
     Returns the record the call matched, ``(meta, tensors, kept)``: ``kept`` is what the backends keep for calls
-    like it (:mod:`tritonbn.backends.triton.prepared`); ``None`` for a call with a mask or a sink.
+    like it (:mod:`tritonbn.backends.triton._prepared`); ``None`` for a call with a mask or a sink.
     """
     t = operands
     if t.mask is not None or t.sink is not None:

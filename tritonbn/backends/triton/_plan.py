@@ -209,7 +209,7 @@ def cache_put(cache: dict, key, value):
     return value
 
 
-# How many times the caches were cleared: what a layer keeps of them (``prepared.Prepared``) is stale when it changes.
+# How many times the caches were cleared: what a layer keeps of them (``_prepared.Prepared``) is stale when it changes.
 generation = 0
 
 

@@ -310,7 +310,7 @@ def batch_norm_backward_reduce(
 def find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
          mask=None) -> Launch:  # fmt: skip
     """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
-    from the cache keyed by what it depends on besides the pointers' alignment (``prepared``'s launchers keep it for
+    from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
     the calls of one layer like the last one)."""
     key = (
         x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,

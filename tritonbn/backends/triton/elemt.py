@@ -276,7 +276,7 @@ def batch_norm_elemt(
 def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked, momentum, eps, residual, activation,
          negative_slope, save_stats, mask=None) -> Launch:  # fmt: skip
     """The launch for these arguments (``mask`` as :func:`channel_view` gives it), from the cache keyed by what it
-    depends on besides the pointers' alignment (``prepared``'s launchers keep it for the calls of one layer like the
+    depends on besides the pointers' alignment (``_prepared``'s launchers keep it for the calls of one layer like the
     last one). Raises where the arguments contradict each other."""
     training = stats is not None
     if not training and (running_mean is None or running_var is None):

@@ -215,7 +215,7 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> to
 
 def find(x: torch.Tensor, mask: torch.Tensor | None = None) -> Launch:
     """The launch for ``x`` (and ``mask``, as :func:`channel_view` gives it), from the cache keyed by what it depends
-    on (``prepared``'s launchers keep it for the calls of one layer like the last one)."""
+    on (``_prepared``'s launchers keep it for the calls of one layer like the last one)."""
     if mask is not None:
         key = (x.shape, x.stride(), x.dtype, x.device, mask.stride())
     else:
