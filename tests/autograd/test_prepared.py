@@ -59,9 +59,9 @@ def finds(monkeypatch):
     for module in (stats, elemt, backward_reduce, backward_elemt):
         name = module.__name__.rsplit(".", 1)[1]
 
-        def counting(*args, _find=module.find, _name=name):
+        def counting(*args, _find=module.find, _name=name, **kwargs):
             seen[_name] = seen.get(_name, 0) + 1
-            return _find(*args)
+            return _find(*args, **kwargs)
 
         monkeypatch.setattr(module, "find", counting)
     return seen

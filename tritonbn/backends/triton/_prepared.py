@@ -16,6 +16,14 @@ The dispatch hands a :class:`Prepared` to the passes in place of the backend onl
 anew at each call), and the eager Function keeps it for that call's backward, whose saved input and statistics
 are the forward's. A launcher given a mask goes through the backend's own launcher. Clearing the plans
 (:func:`tritonbn.backends.triton._plan.clear_caches`) makes every :class:`Prepared` stale.
+
+Only the passes call these launchers, with their own statistics: ``stats`` from
+:func:`~tritonbn.backends.triton.stats.batch_norm_stats` (or a recompute's copy of it), ``mean`` and ``invstd`` (and
+``y``, an ``output`` backward reads) from the forward's :func:`~tritonbn.backends.triton.elemt.batch_norm_elemt`, the
+backward's ``sums`` and the residual's gradient buffer, and ``count``, ``stats[-1:]``, ``16 C`` bytes into ``stats``:
+fresh allocations, which the allocator aligns to 16 bytes and more. Their launches (``own=True``) read the alignment
+of the call's other tensors only (the input, the gradient, the parameters and buffers, the residual), which
+``tests/helpers/launch_check.py`` misaligns in turn.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ class Prepared:
         launch = self.elemt.get(mode)
         if launch is None:
             launch = self.elemt[mode] = elemt.find(*args, momentum, eps, residual, activation, negative_slope,
-                                                   save_stats)  # fmt: skip
+                                                   save_stats, own=True)  # fmt: skip
         return elemt.run(launch, *args, residual, save_stats)
 
     def batch_norm_backward_reduce(self, grad_out, x, mean, invstd, weight=None, *, weight_grad=True, bias_grad=True,
@@ -82,7 +90,8 @@ class Prepared:
         args = (grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad)
         launch = self.reduce.get(mode)
         if launch is None:
-            launch = self.reduce[mode] = backward_reduce.find(*args, activation, negative_slope, aux, aux_kind)
+            launch = self.reduce[mode] = backward_reduce.find(*args, activation, negative_slope, aux, aux_kind,
+                                                              own=True)  # fmt: skip
         return backward_reduce.run(launch, *args, aux)
 
     def batch_norm_backward_elemt(self, grad_out, x, mean, invstd, weight=None, sums=None, count=None, *, bias=None,
@@ -105,7 +114,7 @@ class Prepared:
         launch = self.elemt_backward.get(mode)
         if launch is None:
             launch = self.elemt_backward[mode] = backward_elemt.find(*args, activation, negative_slope, aux, aux_kind,
-                                                                     input_grad, dr)  # fmt: skip
+                                                                     input_grad, dr, own=True)  # fmt: skip
         return backward_elemt.run(launch, *args, aux, input_grad, dr)
 
 

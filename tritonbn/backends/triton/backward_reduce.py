@@ -308,21 +308,23 @@ def batch_norm_backward_reduce(
 
 
 def find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
-         mask=None) -> Launch:  # fmt: skip
+         mask=None, own=False) -> Launch:  # fmt: skip
     """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
     from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
-    the calls of one layer like the last one)."""
+    the calls of one layer like the last one). ``own``: ``mean``, ``invstd`` and an ``output`` are the passes' own
+    (allocated by :func:`~tritonbn.backends.triton.elemt.batch_norm_elemt`), whose alignment the launch need not
+    read."""
     key = (
         x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
         None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad,
-        activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype),
+        activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype), own,
     )  # fmt: skip
     if mask is not None:
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
         launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation,
-                                                   negative_slope, aux, aux_kind, mask))  # fmt: skip
+                                                   negative_slope, aux, aux_kind, mask, own=own))  # fmt: skip
     return launch
 
 
@@ -370,7 +372,7 @@ def _unroll(x: torch.Tensor, layout) -> int:
 
 
 def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind, mask=None,
-            per_sm=None) -> Launch:  # fmt: skip
+            per_sm=None, own=False) -> Launch:  # fmt: skip
     """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm, merges=True, mask=mask)
     R = layout.r_progs
@@ -397,10 +399,12 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
                                            negative_slope, aux, aux_kind, mask, device=x.device)  # fmt: skip
     return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
                   tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit,
-                  checked=_checked(weight, bias, aux, mask))  # fmt: skip
+                  checked=_checked(weight, bias, aux, mask, own and aux_kind == AUX_OUTPUT, not own))  # fmt: skip
 
 
-def _checked(weight, bias, aux, mask) -> tuple[int, ...]:
-    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors, not the sums,
-    gradients and workspace it allocates, nor the stand-ins for absent tensors (``x``, ``invstd``, the sums)."""
-    return (0, 1, 3, 4, *(i for i, t in ((2, aux), (5, weight), (6, bias), (12, mask)) if t is not None))
+def _checked(weight, bias, aux, mask, own_aux=False, given_stats=True) -> tuple[int, ...]:
+    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors (``mean`` and
+    ``invstd`` where ``given_stats``, ``aux`` unless ``own_aux``), not the sums, gradients and workspace it
+    allocates, nor the stand-ins for absent tensors (``x``, ``invstd``, the sums)."""
+    given = {2: None if own_aux else aux, 3: given_stats or None, 4: given_stats or None, 5: weight, 6: bias, 12: mask}
+    return (0, 1, *(i for i, t in given.items() if t is not None))

@@ -274,10 +274,11 @@ def batch_norm_elemt(
 
 
 def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked, momentum, eps, residual, activation,
-         negative_slope, save_stats, mask=None) -> Launch:  # fmt: skip
+         negative_slope, save_stats, mask=None, own=False) -> Launch:  # fmt: skip
     """The launch for these arguments (``mask`` as :func:`channel_view` gives it), from the cache keyed by what it
     depends on besides the pointers' alignment (``_prepared``'s launchers keep it for the calls of one layer like the
-    last one). Raises where the arguments contradict each other."""
+    last one). Raises where the arguments contradict each other. ``own``: ``stats`` is the passes' own (allocated by
+    :func:`batch_norm_stats`, or a copy), whose alignment the launch need not read."""
     training = stats is not None
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
@@ -291,7 +292,7 @@ def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked,
         None if bias is None else bias.dtype,
         None if running_mean is None else (running_mean.dtype, running_var.dtype),
         None if num_batches_tracked is None else num_batches_tracked.dtype,
-        None if residual is None else (residual.stride(), residual.dtype),
+        None if residual is None else (residual.stride(), residual.dtype), own,
     )  # fmt: skip
     if mask is not None:
         key = (*key, mask.stride())
@@ -299,7 +300,7 @@ def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked,
     if launch is None:
         launch = cache_put(_launches, key, _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
                                                    eps, residual, activation, negative_slope, save_stats,
-                                                   mask))  # fmt: skip
+                                                   mask, own=own))  # fmt: skip
     return launch
 
 
@@ -338,7 +339,7 @@ _launches = launch_cache()
 
 
 def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum, eps, residual, activation,
-            negative_slope, save_stats, mask=None, per_sm=None) -> Launch:  # fmt: skip
+            negative_slope, save_stats, mask=None, per_sm=None, own=False) -> Launch:  # fmt: skip
     """The launch of the elementwise kernel on arguments like these (see the key in :func:`batch_norm_elemt`)."""
     y = empty_like_layout(x)
     # 16-bit inputs take twice the tile, but for masked layers (whose tiles may not vectorize: more registers).
@@ -376,14 +377,15 @@ def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
     refit = None if per_sm else refit_with(_launch, x, weight, bias, stats, running_mean, num_batches_tracked,
                                            momentum, eps, residual, activation, negative_slope, save_stats, mask,
                                            device=x.device)  # fmt: skip
-    checked = _checked(training, weight, bias, num_batches_tracked, residual, mask)
+    checked = _checked(training and not own, weight, bias, num_batches_tracked, residual, mask)
     return Launch(_batch_norm_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
                   tickets=int(has_nbt), refit=refit, checked=checked)  # fmt: skip
 
 
-def _checked(training, weight, bias, num_batches_tracked, residual, mask) -> tuple[int, ...]:
-    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors, not ``y``,
-    the statistics it allocates, the workspace's tickets, nor the stand-ins for absent tensors (``x``, or one it
-    allocated). The running statistics are always read: either may stand in for the other's absence."""
+def _checked(given_stats, weight, bias, num_batches_tracked, residual, mask) -> tuple[int, ...]:
+    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors (``stats`` where
+    ``given_stats``), not ``y``, the statistics it allocates, the workspace's tickets, nor the stand-ins for absent
+    tensors (``x``, or one it allocated). The running statistics are always read: either may stand in for the
+    other's absence."""
     given = {2: residual, 3: weight, 4: bias, 8: num_batches_tracked, 12: mask}
-    return tuple(sorted({0, 6, 7, *(i for i, t in given.items() if t is not None), *((5,) if training else ())}))
+    return tuple(sorted({0, 6, 7, *(i for i, t in given.items() if t is not None), *((5,) if given_stats else ())}))
