@@ -29,17 +29,20 @@ LAUNCHERS = ("batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce
 
 
 class Backend:
-    """One backend, as the data path sees it: its ``name``, its four launchers (attributes of the same names), and
+    """One backend, as the data path sees it: its ``name``, its four launchers (attributes of the same names),
     ``local``: the module of its local path (``forward``, ``backward``, ``recorded``: see
-    :mod:`tritonbn.backends.torch.local`), or ``None`` where it has none (the Triton kernels)."""
+    :mod:`tritonbn.backends.torch.local`), or ``None`` where it has none (the Triton kernels), and ``prepare``:
+    ``kept -> backend``, the same launchers for the eager calls of one layer that match a checked record, which
+    find their launches once (:mod:`tritonbn.backends.triton._prepared`), or ``None`` (the PyTorch backend)."""
 
-    __slots__ = ("name", "local", *LAUNCHERS)
+    __slots__ = ("name", "local", "prepare", *LAUNCHERS)
 
     def __init__(self, name: str, module: ModuleType) -> None:
         self.name = name
         for launcher in LAUNCHERS:
             setattr(self, launcher, getattr(module, launcher))
-        self.local = getattr(module, "local", None)  # a capability a backend may offer
+        self.local = getattr(module, "local", None)  # capabilities a backend may offer
+        self.prepare = getattr(module, "prepare", None)
 
     def __repr__(self) -> str:
         return f"<tritonbn backend {self.name!r}>"

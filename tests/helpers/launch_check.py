@@ -204,6 +204,37 @@ def misaligned(shape, dtype):
     return torch.randn(n + 1).to(dtype)[1:].view(shape)
 
 
+def misaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose data pointer is one element past an aligned one (1, 4 or 8 bytes off 16)."""
+    base = torch.zeros(t.numel() + 1, dtype=t.dtype)
+    base[1:] = t.reshape(-1)
+    out = base[1:].view(t.shape)
+    assert out.data_ptr() % 16
+    return out
+
+
+def misaligned_step(which: str) -> None:
+    """:func:`step` with the tensor ``which`` misaligned: a parameter, a buffer, the residual (silu: backward reads
+    it), the upstream gradient or the mask."""
+    bn = tritonbn.SyncBatchNorm(6, momentum=None, activation="silu")  # momentum=None: the kernel reads the count
+    if which in ("weight", "bias"):
+        getattr(bn, which).data = misaligned_like(getattr(bn, which).data)
+    elif which in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(bn, which, misaligned_like(getattr(bn, which)))
+    x, residual = torch.randn(3, 6, 5, 4), torch.randn(3, 6, 5, 4)
+    kwargs = {"mask": misaligned_like(torch.rand(3, 5, 4) > 0.3)} if which == "mask" else {}
+    if which == "residual":
+        residual = misaligned_like(residual)
+    for _ in range(2):
+        bn.train()
+        y = bn(x.detach().requires_grad_(), residual.detach().requires_grad_(), **kwargs)
+        grad = torch.randn_like(y)
+        y.backward(misaligned_like(grad) if which == "grad" else grad)
+        bn.eval()
+        with torch.no_grad():
+            bn(x, residual, **kwargs)
+
+
 def run_cases() -> list[str]:
     global CASE
     covered = []
@@ -222,6 +253,10 @@ def run_cases() -> list[str]:
     step(bn, x)
     step(bn, torch.randn(3, 6, 5, 4))  # the same plan, aligned: another kernel
     covered.append(CASE)
+    for which in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked", "residual", "grad", "mask"):
+        CASE = f"misaligned {which}"  # each pointer the launches read the alignment of, off 16 bytes in turn
+        misaligned_step(which)
+    covered.append("misaligned tensors other than the input")
     CASE = "packed plan, 7x7 NCHW, fused residual and relu"
     bn = tritonbn.SyncBatchNorm(16, activation="relu")
     x = torch.randn(2, 16, 7, 7)

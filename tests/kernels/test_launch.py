@@ -4,7 +4,8 @@
 the kernels under the interpreter, which has no compiled kernels) and, for every launch of a training
 forward, backward and eval, compares the direct call with Triton's: the same ``CompiledKernel`` (the
 one Triton's cache key selects), grid, stream and argument tuple. The cases cover fp32, fp16, bf16
-and fp64; contiguous, channels_last, channels_last_3d and 2-D inputs; a view off 16-byte alignment;
+and fp64; contiguous, channels_last, channels_last_3d and 2-D inputs; a view off 16-byte alignment, and each
+other tensor a launch reads (parameters, buffers, residual, gradient, mask) off it in turn;
 a packed plan (7x7 NCHW) with a fused residual and relu; int64 offsets; two devices and two streams;
 and a layer planned as on a 132-SM GPU, whose launches fit their grids to the fake kernels' occupancy.
 """
@@ -52,7 +53,7 @@ def test_cases_take_the_direct_path(check):
     """Every plan's first launch finds its kernel through Triton; the repeats launch it directly."""
     assert check["direct"] >= check["launches"] // 3, check
     assert check["through_triton"] > 0
-    assert len(check["covered"]) == 4 * 4 + 7, check["covered"]
+    assert len(check["covered"]) == 4 * 4 + 8, check["covered"]
 
 
 def test_a_launch_hook_takes_tritons_path(check):

@@ -32,7 +32,8 @@ class LayerSettings:
     eval), ``debug_group`` what ``TRITONBN_DEBUG=1`` checks signatures over, and ``name`` the layer's identity
     in those checks. ``world`` is the default process group the groups were resolved against, so that a
     module built before ``init_process_group`` resolves them again. ``checked``: what the last eager call that
-    passed the checks looked like (:func:`tritonbn._core.checks.check_eager_call`), ``None`` before one.
+    passed the checks looked like (:func:`tritonbn._core.checks.check_eager_call`), and what the backends keep
+    for calls like it (:mod:`tritonbn.backends.triton._prepared`), ``None`` before one.
     """
 
     training: bool

@@ -156,15 +156,18 @@ def check_call(settings, operands, num_features: int | None = None) -> None:
         raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
 
 
-def check_eager_call(settings, operands, num_features: int | None = None) -> None:
+def check_eager_call(settings, operands, num_features: int | None = None) -> tuple | None:
     """:func:`check_call` for an eager call, skipped where the layer's last call passed it with the same input
-    shape, dtype and device, the same residual's, and the very same parameter and buffer tensors, of the same
-    shapes, dtypes and devices.
+    shape, strides, dtype and device, the same residual's, and the very same parameter and buffer tensors, of the
+    same shapes, dtypes and devices.
 
     What the checks read is then unchanged: the layer's settings are rebuilt (``checked`` empty) whenever one of
     them changes, and whenever the module moves or converts its tensors (``SyncBatchNorm._apply``); a parameter
     whose ``.data`` was set by hand to another shape, dtype or device is checked again. A mask or an
     ``accumulate_stats`` sink is checked every call.
+
+    Returns the record the call matched, ``(meta, tensors, kept)``: ``kept`` is what the backends keep for calls
+    like it (:mod:`tritonbn.backends.triton._prepared`); ``None`` for a call with a mask or a sink.
     """
     t = operands
     if t.mask is not None or t.sink is not None:
@@ -174,8 +177,9 @@ def check_eager_call(settings, operands, num_features: int | None = None) -> Non
     w, b, rm, rv, nbt = held
     # one flat tuple, written out: this runs at every eager call (benchmarks/host_overhead.py times it)
     meta = (
-        x.shape, x.dtype, x.device, num_features,
-        None if r is None else r.shape, None if r is None else r.dtype, None if r is None else r.device,
+        x.shape, x.stride(), x.dtype, x.device, num_features,
+        None if r is None else r.shape, None if r is None else r.stride(), None if r is None else r.dtype,
+        None if r is None else r.device,
         None if w is None else w.shape, None if w is None else w.dtype, None if w is None else w.device,
         None if b is None else b.shape, None if b is None else b.dtype, None if b is None else b.device,
         None if rm is None else rm.shape, None if rm is None else rm.dtype, None if rm is None else rm.device,
@@ -186,10 +190,10 @@ def check_eager_call(settings, operands, num_features: int | None = None) -> Non
     if last is not None and last[0] == meta:
         w0, b0, rm0, rv0, nbt0 = last[1]
         if w0 is w and b0 is b and rm0 is rm and rv0 is rv and nbt0 is nbt:
-            return None
+            return last
     check_call(settings, t, num_features)
-    settings.checked = (meta, held)
-    return None
+    record = settings.checked = (meta, held, {})
+    return record
 
 
 def check_traced_call(*args) -> None:

@@ -76,9 +76,9 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     how = exporter(compiling)  # THE export hook: the tracer recording this call, if any (it also picks the checks)
     eager = how is None and not compiling
     if eager and settings.debug_group is None:  # the ordinary eager call (no signature to compare across ranks)
-        check_eager_call(settings, t, num_features)
+        record = check_eager_call(settings, t, num_features)  # what it was checked against (None: a mask or sink)
     else:
-        _check(settings, t, num_features, compiling, how)
+        record = _check(settings, t, num_features, compiling, how)
     if how is not None:  # torch.export, ONNX, jit.trace record torch's own ops
         return lowered(how, settings, t)
     if not eager or not is_eager(input):
@@ -96,6 +96,8 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
             function = SyncBatchNormFunctionForwardAD
         return function.apply(*SyncBatchNormFunction.args(settings, t))
     backend = ops_for(input)
+    if record is not None and backend.prepare is not None:  # its launches, found once for calls like this one
+        backend = backend.prepare(record[2])
     grad_mode = torch.is_grad_enabled()
     records = (grad_mode and (input.requires_grad or params_need_grad(t.weight, t.bias, t.residual))) or (
         forward_ad_active()
@@ -129,16 +131,17 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     return forward_pass(backend, settings, t, save_stats=False, enclosing=True, declined=declined)[0]
 
 
-def _check(settings: LayerSettings, t: Operands, num_features, compiling: bool, how: str | None) -> None:
+def _check(settings: LayerSettings, t: Operands, num_features, compiling: bool, how: str | None):
     """The checks of a call that is compiled, exported or traced, or whose layer compares signatures across ranks
     (``TRITONBN_DEBUG=1``; inside backward, a checkpoint's recompute, the pass that communicates checks: a recompute
-    that replays does not)."""
+    that replays does not). Returns :func:`check_eager_call`'s record for an eager call, else ``None``."""
     input = t.input
+    record = None
     checking = settings.debug_group is not None and not compiling and debug_enabled() and not in_backward()
     input_grad = torch.is_grad_enabled() and isinstance(input, torch.Tensor) and input.requires_grad
     try:
         if how is None and not compiling:
-            check_eager_call(settings, t, num_features)
+            record = check_eager_call(settings, t, num_features)
         elif how is None:
             check_call(settings, t, num_features)
         else:  # jit.trace: sizes are traced values; the checks run on the example's, with the tracer paused
@@ -152,6 +155,7 @@ def _check(settings: LayerSettings, t: Operands, num_features, compiling: bool, 
         check_signature(
             settings.debug_group, "forward", signature(input, settings.training, input_grad), name=settings.name
         )
+    return record
 
 
 _SUBCLASS_BREAK = (

@@ -5,10 +5,11 @@ every argument, hashes a cache key, checks the kernel's globals and builds launc
 20 µs of Python per launch before the C launcher (``benchmarks/host_overhead.py`` measures it).
 tritonbn's launchers already know most of what Triton specializes on: every integer argument and
 constexpr follows from the plan and the dtypes, which their own caches are keyed by (see
-:class:`Launch`). What is left is each pointer's 16-byte alignment, and the current device. So a
-:class:`Launch` finds the ``CompiledKernel`` once per (device, alignment) through Triton's own path
-(``kernel[grid](...)``, which also launches it), keeps it alive, and from then on calls its C
-launcher directly, with the same positional layout ``JITFunction.run`` ends in (the Triton versions in
+:class:`Launch`). What is left is each pointer's 16-byte alignment (read for the tensors the launcher
+is given, not for those it allocates), and the current device. So a :class:`Launch` finds the
+``CompiledKernel`` once per (device, alignment) through Triton's own path (``kernel[grid](...)``,
+which also launches it), keeps it alive, and from then on calls its C launcher directly, with the
+same positional layout ``JITFunction.run`` ends in (the Triton versions in
 :data:`tritonbn._compat.DIRECT_LAUNCH_VERIFIED`)::
 
     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
@@ -150,6 +151,11 @@ def device_sm(index: int) -> dict:
 _data_ptr = torch.Tensor.data_ptr
 
 
+def _one_of(index: int):
+    """Like ``operator.itemgetter(index)``, but giving a 1-tuple."""
+    return lambda pointers: (pointers[index],)
+
+
 def refit_with(build, *args, device: torch.device):
     """``per_sm -> build(*args, per_sm=per_sm)``, a :class:`Launch`'s ``refit``, when launches on ``device``
     are planned for a GPU (else ``None``: nothing to fit). It holds ``args`` until the first launch."""
@@ -172,13 +178,19 @@ class Launch:
     every pointer's dtype, the flags. ``launch(*pointers)`` then launches the kernel.
     """
 
-    __slots__ = ("fn", "grid", "scalars", "options", "args_after", "compiled", "tickets", "scratch", "refit")
+    __slots__ = ("fn", "grid", "scalars", "options", "args_after", "compiled", "tickets", "scratch", "refit", "checked")
 
     def __init__(
         self, fn, grid: tuple[int, int], tail: tuple, constexprs: dict, num_warps: int, pointers: int,
-        tickets: int = 0, scratch: int = 0, refit=None,
+        tickets: int = 0, scratch: int = 0, refit=None, checked: tuple[int, ...] | None = None,
     ):  # fmt: skip
         self.fn = fn
+        # ``checked``: the positions of the pointers whose alignment the launch reads (None: all). The launcher
+        # leaves out those it allocates itself at every call (torch.empty, the workspace: the allocator aligns
+        # them to 16 bytes and more) and the stand-ins for absent tensors that repeat a checked or allocated one.
+        if checked is None:
+            checked = tuple(range(pointers))
+        self.checked = operator.itemgetter(*checked) if len(checked) > 1 else _one_of(checked[0])
         self.tickets = tickets  # ticket counters and float64 scratch values it needs from the workspace
         self.scratch = scratch
         self.grid = grid
@@ -267,7 +279,7 @@ class Launch:
                 return
             device = active.get_current_device()
             # Triton specializes a pointer on whether it is 16-byte aligned: all of them, usually.
-            if reduce(operator.or_, map(_data_ptr, pointers)) & 15:
+            if reduce(operator.or_, map(_data_ptr, self.checked(pointers))) & 15:
                 key = (device, tuple([p & 15 == 0 for p in map(_data_ptr, pointers)]))
             else:
                 key = device

@@ -209,8 +209,14 @@ def cache_put(cache: dict, key, value):
     return value
 
 
+# How many times the caches were cleared: what a layer keeps of them (``_prepared.Prepared``) is stale when it changes.
+generation = 0
+
+
 def clear_caches() -> None:
     """Forget every plan and every launch built on one (after the planning constants change)."""
+    global generation
+    generation += 1
     _plan_cached.cache_clear()
     for cache in _launch_caches:
         cache.clear()

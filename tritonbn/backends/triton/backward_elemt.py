@@ -15,6 +15,7 @@ import triton.language as tl
 
 from tritonbn.backends.triton._common import (
     ACTIVATION_CODES,
+    AUX_OUTPUT,
     acc_dtypes,
     channel_block,
     channel_view,
@@ -249,23 +250,41 @@ def batch_norm_backward_elemt(
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
     if not input_grad and out_grad_residual is None:
         return None
-    dr = out_grad_residual
-    # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
+    if mask is not None:
+        mask = channel_view(mask, x)
+    args = (grad_out, x, mean, invstd, weight, bias, sums, count)
+    launch = find(*args, activation, negative_slope, aux, aux_kind, input_grad, out_grad_residual, mask)
+    return run(launch, *args, aux, input_grad, out_grad_residual, mask)
+
+
+def find(grad_out, x, mean, invstd, weight, bias, sums, count, activation, negative_slope, aux, aux_kind, input_grad,
+         dr, mask=None, own=False) -> Launch:  # fmt: skip
+    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
+    from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
+    the calls of one layer like the last one). ``own``: ``mean``, ``invstd``, an ``output``, ``sums``, ``count`` and
+    ``out_grad_residual`` are the passes' own (``count`` a view of their ``stats`` at a multiple of 16 bytes), whose
+    alignment the launch need not read."""
     key = (
         x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
         None if weight is None else weight.dtype, None if bias is None else bias.dtype,
         None if sums is None else (sums.dtype, count.dtype), activation, negative_slope,
         None if aux is None else (aux_kind, aux.stride(), aux.dtype), input_grad,
-        None if dr is None else (dr.stride(), dr.dtype),
+        None if dr is None else (dr.stride(), dr.dtype), own,
     )  # fmt: skip
     if mask is not None:
-        mask = channel_view(mask, x)
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
-        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, training, activation, negative_slope,
-                                                   aux, aux_kind, input_grad, dr, mask))  # fmt: skip
-    dx = torch.empty_like(x, memory_format=torch.preserve_format) if input_grad else None
+        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, sums is not None, activation,
+                                                   negative_slope, aux, aux_kind, input_grad, dr, mask,
+                                                   own=own))  # fmt: skip
+    return launch
+
+
+def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, sums, count, aux, input_grad, dr, mask=None):
+    """:func:`batch_norm_backward_elemt` with its launch found (:func:`find`): ``dx``, or ``None``."""
+    training = sums is not None
+    dx = torch.empty_like(x) if input_grad else None  # preserve_format, the default
     launch(
         grad_out,
         x,
@@ -287,7 +306,7 @@ _launches = launch_cache()
 
 
 def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux, aux_kind, input_grad, dr, mask=None,
-            per_sm=None) -> Launch:  # fmt: skip
+            per_sm=None, own=False) -> Launch:  # fmt: skip
     """The launch of the backward elementwise kernel on arguments like these (see the key in the launcher)."""
     dx = empty_like_layout(x) if input_grad else None
     layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)), per_sm=per_sm,
@@ -312,5 +331,21 @@ def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux
     tail = (*layout.size_args, *layout.stride_args, float(negative_slope))
     refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, training, activation, negative_slope,
                                            aux, aux_kind, input_grad, dr, mask, device=x.device)  # fmt: skip
+    checked = _checked(weight, bias, training and not own, aux, aux_kind, dr, mask, own)
     return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
-                  refit=refit)  # fmt: skip
+                  refit=refit, checked=checked)  # fmt: skip
+
+
+def _checked(weight, bias, given_sums, aux, aux_kind, dr, mask, own=False) -> tuple[int, ...]:
+    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors (``sums`` and
+    ``count`` where ``given_sums``; not the statistics, an ``output`` and ``dr`` where they are the passes' ``own``),
+    not ``dx`` (which it allocates), nor the stand-ins for absent tensors (``x``, ``invstd``)."""
+    given = {4: None if own else dr, 7: weight, 8: bias, 11: mask}
+    if not (own and aux_kind == AUX_OUTPUT):
+        given[2] = aux
+    read = {0, 1, *(i for i, t in given.items() if t is not None)}
+    if not own:
+        read |= {5, 6}
+    if given_sums:
+        read |= {9, 10}
+    return tuple(sorted(read))

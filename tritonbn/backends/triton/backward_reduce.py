@@ -299,24 +299,41 @@ def batch_norm_backward_reduce(
         ``[sum(dz) | sum(dz * xhat)]``, to be summed over ranks; ``grad_weight = sum(dz * xhat)``
         and ``grad_bias = sum(dz)`` are this rank's own, or ``None`` when not asked for.
     """
+    if mask is not None:
+        mask = channel_view(mask, x)
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-    # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
+    launch = find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux,
+                  aux_kind, mask)  # fmt: skip
+    return run(launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask)
+
+
+def find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
+         mask=None, own=False) -> Launch:  # fmt: skip
+    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
+    from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
+    the calls of one layer like the last one). ``own``: ``mean``, ``invstd`` and an ``output`` are the passes' own
+    (allocated by :func:`~tritonbn.backends.triton.elemt.batch_norm_elemt`), whose alignment the launch need not
+    read."""
     key = (
         x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
         None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad,
-        activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype),
+        activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype), own,
     )  # fmt: skip
     if mask is not None:
-        mask = channel_view(mask, x)
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
         launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation,
-                                                   negative_slope, aux, aux_kind, mask))  # fmt: skip
+                                                   negative_slope, aux, aux_kind, mask, own=own))  # fmt: skip
+    return launch
+
+
+def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask=None):
+    """:func:`batch_norm_backward_reduce` with its launch found (:func:`find`): ``(sums, grad_weight, grad_bias)``."""
     device = x.device
     C = x.shape[1]
     sdtype = compute_dtype(x.dtype)
-    sums = torch.empty((2, C), dtype=sdtype, device=device)
+    sums = torch.empty(2, C, dtype=sdtype, device=device)  # sizes as ints: 0.5 us cheaper than a tuple
     gdtype = weight.dtype if weight is not None else sdtype
     grad_weight = torch.empty(C, dtype=gdtype, device=device) if weight_grad else None
     grad_bias = torch.empty(C, dtype=gdtype, device=device) if bias_grad else None
@@ -355,7 +372,7 @@ def _unroll(x: torch.Tensor, layout) -> int:
 
 
 def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind, mask=None,
-            per_sm=None) -> Launch:  # fmt: skip
+            per_sm=None, own=False) -> Launch:  # fmt: skip
     """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm, merges=True, mask=mask)
     R = layout.r_progs
@@ -381,4 +398,13 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
     refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, weight_grad, bias_grad, activation,
                                            negative_slope, aux, aux_kind, mask, device=x.device)  # fmt: skip
     return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
-                  tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit)  # fmt: skip
+                  tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit,
+                  checked=_checked(weight, bias, aux, mask, own and aux_kind == AUX_OUTPUT, not own))  # fmt: skip
+
+
+def _checked(weight, bias, aux, mask, own_aux=False, given_stats=True) -> tuple[int, ...]:
+    """The pointers whose alignment a launch reads (see :class:`Launch`): the call's own tensors (``mean`` and
+    ``invstd`` where ``given_stats``, ``aux`` unless ``own_aux``), not the sums, gradients and workspace it
+    allocates, nor the stand-ins for absent tensors (``x``, ``invstd``, the sums)."""
+    given = {2: None if own_aux else aux, 3: given_stats or None, 4: given_stats or None, 5: weight, 6: bias, 12: mask}
+    return (0, 1, *(i for i, t in given.items() if t is not None))

@@ -210,14 +210,24 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> to
     """
     if mask is not None:
         mask = channel_view(mask, x)
+    return run(find(x, mask), x, mask)
+
+
+def find(x: torch.Tensor, mask: torch.Tensor | None = None) -> Launch:
+    """The launch for ``x`` (and ``mask``, as :func:`channel_view` gives it), from the cache keyed by what it depends
+    on (``_prepared``'s launchers keep it for the calls of one layer like the last one)."""
+    if mask is not None:
         key = (x.shape, x.stride(), x.dtype, x.device, mask.stride())
     else:
         key = (x.shape, x.stride(), x.dtype, x.device)
-    launch = _launches.get(key) or cache_put(_launches, key, _launch(x, mask))
+    return _launches.get(key) or cache_put(_launches, key, _launch(x, mask))
+
+
+def run(launch: Launch, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`batch_norm_stats` with its launch found (:func:`find`)."""
     device = x.device
-    C = x.shape[1]
     ws = workspace(device, launch.tickets, launch.scratch)
-    stats = torch.empty(2 * C + 1, dtype=torch.float64, device=device)
+    stats = torch.empty(2 * x.shape[1] + 1, dtype=torch.float64, device=device)
     launch(x, ws.scratch, stats, ws.tickets, x if mask is None else mask)
     return stats
 
@@ -249,5 +259,5 @@ def _launch(x: torch.Tensor, mask: torch.Tensor | None = None, per_sm: int | Non
     # A masked launch counts each channel block's real positions in one more counter per block.
     tickets = layout.merge_tickets + (layout.c_blocks if mask is not None else 0)
     return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=5,
-                  tickets=tickets, scratch=layout.merge_scratch,
+                  tickets=tickets, scratch=layout.merge_scratch, checked=(0,) if mask is None else (0, 4),
                   refit=None if per_sm else refit_with(_launch, x, mask, device=x.device))  # fmt: skip
