@@ -16,6 +16,7 @@ where it has one. The data path, ``running_stats`` and ``diagnose`` all reach a 
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
@@ -90,10 +91,15 @@ def _triton_unusable(x: torch.Tensor) -> str | None:
     """Why the kernels cannot run on ``x``, or ``None`` when they can."""
     if _load_kernels() is None:
         return _kernels_error
-    if x.device.type == "cuda" or interpreted():
+    if x.is_cuda or interpreted():
         return None
+    return _needs_interpreter("cpu" if x.is_cpu else x.device.type)  # (read at every CPU call: no string built)
+
+
+@functools.cache
+def _needs_interpreter(device_type: str) -> str:
     return (
-        f"tensors on {x.device.type} need the Triton interpreter: set TRITON_INTERPRET=1 before triton is "
+        f"tensors on {device_type} need the Triton interpreter: set TRITON_INTERPRET=1 before triton is "
         "imported (before importing tritonbn), or use TRITONBN_BACKEND=torch"
     )
 
@@ -120,11 +126,6 @@ def ops_for(x: torch.Tensor) -> Backend:
         return _torch_backend
     name = selected(name)
     if name == "torch":
-        return _torch_backend
-    kernels = _load_kernels()
-    if kernels is not None and (x.is_cuda or interpreted()):  # the kernels run here (as _triton_unusable says)
-        return kernels
-    if name == "auto" and not _below_floor:  # CPU without the interpreter: the PyTorch backend, no message built
         return _torch_backend
     why = _triton_unusable(x)
     if why is None:
