@@ -107,10 +107,9 @@ def _needs_interpreter(device_type: str) -> str:
 _backend_variable = _compat.environ_reader("TRITONBN_BACKEND")
 
 
-def selected(name: str | None = None) -> str:
-    """The value of ``TRITONBN_BACKEND`` (``name``: that value, read by the caller), checked."""
-    if name is None:
-        name = _backend_variable()
+def selected() -> str:
+    """The value of ``TRITONBN_BACKEND``, checked."""
+    name = _backend_variable()
     if name is None or name in BACKENDS:  # the common cases, without string work
         return name or "auto"
     name = name.strip().lower() or "auto"
@@ -121,10 +120,7 @@ def selected(name: str | None = None) -> str:
 
 def ops_for(x: torch.Tensor) -> Backend:
     """The backend whose launchers (``batch_norm_stats`` and the rest) run on ``x``."""
-    name = _backend_variable()
-    if name == "torch":  # (this runs at every call: the common cases first, in few calls)
-        return _torch_backend
-    name = selected(name)
+    name = selected()
     if name == "torch":
         return _torch_backend
     why = _triton_unusable(x)

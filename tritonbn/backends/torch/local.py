@@ -214,13 +214,7 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
     """
     if not ((x.is_contiguous() or _native_layout(x)) and x.numel()):  # is_contiguous first: the common case, cheap
         return None
-    dtype = x.dtype
-    if not (  # the common case inline (every call): parameters and buffers all of x's type
-        running_mean.dtype is dtype
-        and running_var.dtype is dtype
-        and (weight is None or weight.dtype is dtype)
-        and (bias is None or bias.dtype is dtype)
-    ) and not _eval_types(x, weight, bias, running_mean, running_var):
+    if not _eval_types(x, weight, bias, running_mean, running_var):
         return None
     if residual is None or x.dtype == compute_dtype(x.dtype):
         y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
