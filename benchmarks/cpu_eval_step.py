@@ -44,7 +44,7 @@ os.environ.pop("TRITONBN_DEBUG", None)
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_train_step import DTYPES, LAYOUTS, _batch, _models, add_net_arguments  # noqa: E402
+from cpu_train_step import DTYPES, LAYOUTS, _batch, _models, add_net_arguments, add_output_arguments  # noqa: E402
 from cpu_train_step import _time_pair as time_pair  # noqa: E402 - one alternation for both scripts
 from results_file import write_section  # noqa: E402
 
@@ -203,10 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-layer-ratio", type=float, metavar="R", help="exit 1 when a one-layer eval ratio exceeds R")
     p.add_argument("--max-train-layer-ratio", type=float, metavar="R",
                    help="exit 1 when a one-layer training ratio exceeds R")  # fmt: skip
-    p.add_argument("--json", metavar="OUT", help="write the figures to this JSON file")
-    p.add_argument("--max-ratio", type=float, metavar="R", help="exit 1 when a ratio exceeds R")
-    p.add_argument("--results", metavar="PATH", help="also write the table into this RESULTS.md, between the "
-                   "cpu-eval-step markers")  # fmt: skip
+    add_output_arguments(p, "cpu-eval-step", "exit 1 when a ratio exceeds R")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -297,6 +297,15 @@ def section(meta: dict, rows: list[dict], worst: float) -> str:
     )
 
 
+def add_output_arguments(p: argparse.ArgumentParser, marker: str, ratio_help: str) -> None:
+    """``--json``, ``--max-ratio`` (``ratio_help``) and ``--results`` (the RESULTS.md section between the ``marker``
+    markers), shared with ``cpu_eval_step.py``."""
+    p.add_argument("--json", metavar="OUT", help="write the figures to this JSON file")
+    p.add_argument("--max-ratio", type=float, metavar="R", help=ratio_help)
+    p.add_argument("--results", metavar="PATH", help=f"also write the table into this RESULTS.md, between the "
+                   f"{marker} markers")  # fmt: skip
+
+
 def add_net_arguments(p: argparse.ArgumentParser) -> None:
     """The options this script and ``cpu_eval_step.py`` share: the sizes, the networks, dtypes and layouts."""
     p.add_argument("--small", action="store_true", help="CI sizes: smaller images (and ResNet at half width)")
@@ -313,10 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the 2-rank DDP column")
     p.add_argument("--bn-layers", action="store_true", help="also time each network's BatchNorm layers alone")
-    p.add_argument("--json", metavar="OUT", help="write the figures to this JSON file")
-    p.add_argument("--max-ratio", type=float, metavar="R", help="exit 1 when a single-process ratio exceeds R")
-    p.add_argument("--results", metavar="PATH", help="also write the table into this RESULTS.md, between the "
-                   "cpu-train-step markers")  # fmt: skip
+    add_output_arguments(p, "cpu-train-step", "exit 1 when a single-process ratio exceeds R")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
