@@ -142,6 +142,26 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
+_IMPORT_CHECK = """
+import sys, torch, tritonbn
+heavy = {"lightning", "pytorch_lightning", "torch._dynamo"}
+assert not heavy & set(sys.modules), heavy & set(sys.modules)
+net = tritonbn.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)))
+net(torch.randn(2, 3, 5, 5)).sum().backward()
+with torch.no_grad():
+    net.eval()(torch.randn(2, 3, 5, 5))
+assert not heavy & set(sys.modules), heavy & set(sys.modules)
+tritonbn.lightning
+"""
+
+
+def test_import_and_eager_steps_leave_out_lightning_and_dynamo():
+    """``import tritonbn`` and eager training and eval steps import neither Lightning (imported by
+    ``tritonbn.lightning`` alone) nor ``torch._dynamo`` (``torch.compile`` imports it; about half the time of
+    ``import tritonbn`` when the subclass path's ``torch.compiler.disable`` was made at import)."""
+    subprocess.run([sys.executable, "-c", _IMPORT_CHECK], check=True, timeout=120)
+
+
 def test_no_import_cycle():
     graph = _graph()
     assert "tritonbn.backends.torch.masked" in graph and graph["tritonbn.backends.torch"], "the graph reads nothing"

@@ -69,7 +69,10 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
     if type(input) is not torch.Tensor:  # the one test the ordinary path pays for tensor subclasses
         tensors = t.tensors()
         if has_torch_function(tensors):  # an input with __torch_function__: torch's protocol, as F.batch_norm
-            return handle_torch_function(normalize, tensors, *tensors, settings=settings, num_features=num_features)
+            from tritonbn._core.uncompiled import uncompiled  # imported here, at the first subclass call: see there
+
+            return uncompiled(handle_torch_function, normalize, tensors, *tensors, settings=settings,
+                              num_features=num_features)  # fmt: skip
         t = _plain(t)
         input = t.input
     compiling = torch.compiler.is_compiling()
@@ -158,21 +161,15 @@ def _check(settings: LayerSettings, t: Operands, num_features, compiling: bool, 
     return record
 
 
-_SUBCLASS_BREAK = (
-    "tritonbn: a call on a __torch_function__ tensor subclass runs uncompiled (a graph break; torch's own BatchNorm "
-    "does not compile such an input either): pass a plain tensor (.as_subclass(torch.Tensor)) to compile it"
-)
-
-
-@torch.compiler.disable(reason=_SUBCLASS_BREAK)  # under torch.compile a subclass call runs eagerly (see below)
 def normalize(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink, *, settings,
               num_features=None):  # fmt: skip
     """:func:`run` over loose tensors: what a tensor subclass's ``__torch_function__`` is handed (the input first,
     as ``F.batch_norm`` hands it), and calls back with torch functions disabled for subclasses.
 
-    Under ``torch.compile`` it runs uncompiled: dynamo's tracing of a ``__torch_function__`` subclass around it
+    Under ``torch.compile`` the subclass's protocol runs uncompiled, this function inside it
+    (:func:`tritonbn._core.uncompiled.uncompiled`): dynamo's tracing of a ``__torch_function__`` subclass around it
     leaves the rest of the call half traced (torch's own ``nn.BatchNorm2d`` does not compile such an input either),
-    so the compiled graph breaks here and this call runs the eager path on plain tensors.
+    so the compiled graph breaks at the call and it runs the eager path on plain tensors.
     """
     operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink)
     return run(settings, operands, num_features)
