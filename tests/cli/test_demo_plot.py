@@ -15,12 +15,16 @@ pytest.importorskip("matplotlib", reason="matplotlib is the plot extra: pip inst
 
 
 @pytest.mark.distributed
-def test_demo_plot(tmp_path):
+def test_demo_plot_under_torchrun(tmp_path):
+    """``tritonbn demo --plot`` launched by torchrun (2 ranks over gloo; the spawned launch and the kernels:
+    tests/distributed/test_diagnose.py's ``test_demo_runs``)."""
     png = tmp_path / "drift.png"
-    env = dict(os.environ, TRITONBN_BACKEND="torch")
-    cmd = [sys.executable, "-m", "tritonbn", "demo", "--steps", "3", "--plot", str(png)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITONBN_BACKEND="torch")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "tritonbn", "demo", "--steps", "3", "--plot", str(png)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 ranks over gloo" in result.stdout
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(tmp_path / "drift.csv") as f:
