@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 # Two workers, a test each at a time (--dist load): in CI the sweep outlasts the jobs beside it, then has both cores.
+# The masked audit (one job, one test) first, then the compiles in parts of under a minute, which keep both workers
+# busy to the end.
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load -m compile_sweep \
-    tests/kernels/test_aot_compile.py tests/kernels/test_kernel_audit_masked.py
+    tests/kernels/test_kernel_audit_masked.py tests/kernels/test_aot_compile.py
 echo "compile sweep: done in $((SECONDS - start)) s"

@@ -13,7 +13,8 @@ A specialization that the matrix lists twice is compiled once (the count printed
 Every compile passes the launches' own compile options (``tritonbn._compat.COMPILE_OPTIONS``: FMA fusion
 on); ``--fma-check`` also compiles the forward kernel without fusion and fails unless the launch options
 give it more fused multiply-adds (run it with TRITON_DEFAULT_FP_FUSION=0: the options must win);
-``--fma-only`` runs that check alone.
+``--fma-only`` runs that check alone. ``--dtypes`` compiles only those input dtypes of the matrix (CI's compile
+sweep runs ``--quick`` in parts).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="90", help="targets, e.g. 90 or 80,gfx942 or all (default 90: H100/H200)")
     parser.add_argument("--fma-check", action="store_true", help="check that the launch options fuse multiply-adds")
     parser.add_argument("--fma-only", action="store_true", help="the FMA check alone, no specializations")
+    parser.add_argument("--dtypes", help="only these input dtypes of the matrix, e.g. bf16 or fp32,fp64")
     args = parser.parse_args(argv)
     names = ALL if args.arch == "all" else tuple(args.arch.split(","))
     for name in names:
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
                 return 1
         if args.fma_only:
             continue
-        count = compile_all(target, quick=args.quick, smoke=args.smoke)
+        count = compile_all(target, quick=args.quick, smoke=args.smoke, only=args.dtypes)
         print(f"compiled {count} kernel specializations for {target_name(target)} with triton {triton.__version__}")
     return 0
 
@@ -134,7 +136,7 @@ def fma_check(target) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
-def compile_all(target, quick: bool, smoke: bool) -> int:
+def compile_all(target, quick: bool, smoke: bool, only: str | None = None) -> int:
     # --quick: bf16 with int32 and int64 offsets, fp64 with int32 (the kernel audit compiles the fp32 and
     # bf16 launches of the real module path; int64 offsets change the index arithmetic, not the dtypes)
     dtypes = ("*bf16", "*fp64") if quick else ("*fp32", "*bf16", "*fp16", "*fp64")
@@ -143,6 +145,11 @@ def compile_all(target, quick: bool, smoke: bool) -> int:
     auxes = (1,) if quick else (0, 1, 2)
     if smoke:
         dtypes, activations, residuals, auxes = ("*bf16",), (3,), (True,), (1,)
+    if only is not None:  # a part of the matrix (CI's sweep runs the parts side by side)
+        wanted = {"*" + name for name in only.split(",")}
+        if not wanted <= set(dtypes):
+            sys.exit(f"aot_compile: --dtypes {only} is not a part of this matrix's {', '.join(dtypes)}")
+        dtypes = tuple(dt for dt in dtypes if dt in wanted)
     count = 0
     for dt, int64 in itertools.product(dtypes, (False, True)):
         if (quick or smoke) and int64 and (dt != "*bf16" or smoke):

@@ -19,22 +19,25 @@ from test_kernel_audit import MAX_REGISTERS
 CASES = ("32x2048x7x7,bf16,contiguous", "32x256x499,bf16,contiguous")
 
 
-@pytest.fixture(scope="module", params=["cases", pytest.param("quick", marks=pytest.mark.compile_sweep)])
-def masked_audit(request, kernel_audit, tmp_path_factory):
-    """Rows and markdown of the masked audit: of CASES, or the whole quick one (the sweep)."""
-    jobs = [("--quick",)] if request.param == "quick" else [("--case", case) for case in CASES]
+def _audit(kernel_audit, tmp_path_factory, jobs) -> tuple[list, str]:
+    """Rows and markdown of the masked audit's ``jobs`` together."""
     rows, md = [], ""
     for job in jobs:
         out = tmp_path_factory.mktemp("audit_masked")
         kernel_audit(*job, "--masked", "--out", str(out))
         rows += json.loads((out / "kernel_audit.json").read_text())
         md += (out / "kernel_audit.md").read_text()
-    return rows, md, request.param
+    return rows, md
 
 
-def test_covers_images_and_sequences(masked_audit):
-    rows, md, form = masked_audit
-    if form == "quick":
+@pytest.fixture(scope="module")
+def masked_audit(kernel_audit, tmp_path_factory):
+    """Rows and markdown of the masked audit of CASES."""
+    return _audit(kernel_audit, tmp_path_factory, [("--case", case) for case in CASES])
+
+
+def _covers_images_and_sequences(rows, md, quick=False):
+    if quick:
         assert {r["shape"] for r in rows} == {"32x256x14x14", "32x2048x7x7", "32x256x499"}
         assert {(r["dtype"], r["layout"]) for r in rows} == {(d, lay) for d in ("bf16", "fp32")
                                                              for lay in ("contiguous", "channels_last")}  # fmt: skip
@@ -44,15 +47,13 @@ def test_covers_images_and_sequences(masked_audit):
     assert "masked BatchNorm" in md and "--masked" in md
 
 
-def test_no_spills_and_at_most_128_registers(masked_audit):
-    rows, *_ = masked_audit
+def _no_spills_and_at_most_128_registers(rows):
     bad = [(r["kernel"], r["shape"], r["dtype"], r["layout"], r["registers"], r["spill_bytes"]) for r in rows
            if r["spill_bytes"] or r["registers"] > MAX_REGISTERS]  # fmt: skip
     assert not bad, bad
 
 
-def test_a_mask_adds_no_launch(masked_audit):
-    rows, *_ = masked_audit
+def _a_mask_adds_no_launch(rows):
     per_pass = {}
     for r in rows:
         per_pass.setdefault((r["shape"], r["dtype"], r["layout"], r["mode"]), []).append(r["kernel"])
@@ -60,11 +61,37 @@ def test_a_mask_adds_no_launch(masked_audit):
         assert len(kernels) == (1 if mode == "eval_forward" else 2), (mode, kernels)
 
 
-def test_round_trips_per_iteration(masked_audit):
-    rows, *_ = masked_audit
+def _round_trips_per_iteration(rows):
     for r in rows:
         trips = r["round_trips_per_iteration"]
         if trips is None:
             continue
         limit = 1 if r["load_vector_bits"] == 128 else 2
         assert trips <= limit, (r["kernel"], r["shape"], r["dtype"], r["layout"], trips, r["load_vector_bits"])
+
+
+def test_covers_images_and_sequences(masked_audit):
+    _covers_images_and_sequences(*masked_audit)
+
+
+def test_no_spills_and_at_most_128_registers(masked_audit):
+    _no_spills_and_at_most_128_registers(masked_audit[0])
+
+
+def test_a_mask_adds_no_launch(masked_audit):
+    _a_mask_adds_no_launch(masked_audit[0])
+
+
+def test_round_trips_per_iteration(masked_audit):
+    _round_trips_per_iteration(masked_audit[0])
+
+
+@pytest.mark.compile_sweep
+def test_whole_quick_audit(kernel_audit, tmp_path_factory):
+    """The whole ``--quick --masked`` audit (the sweep) held to the same four rules: one test, so that one worker runs
+    its one job."""
+    rows, md = _audit(kernel_audit, tmp_path_factory, [("--quick",)])
+    _covers_images_and_sequences(rows, md, quick=True)
+    _no_spills_and_at_most_128_registers(rows)
+    _a_mask_adds_no_launch(rows)
+    _round_trips_per_iteration(rows)
