@@ -79,6 +79,44 @@ def test_large_mean_keeps_precision(calls, form, dtype, layout):
     _assert_taken(calls, form, layout, 1)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_far_from_zero_running_var_is_the_shifted_copys(calls, form):
+    """At ``|mean| / std = 2e4`` in channels_last, torch's training kernel over ``x`` itself sums the variance less
+    precisely (about 1e-4 of it here): the layer takes its statistics from the shifted copy, running buffers
+    included (momentum 1: the buffers are the batch's statistics)."""
+    torch.manual_seed(5)
+    x = make_layout(torch.randn(6, 4, 9, 7, dtype=torch.float64) * 0.5 + 1e4, "channels_last").float()
+    bn = tritonbn.SyncBatchNorm(4, momentum=1.0)
+    _step(bn, x)
+    x64 = x.double()
+    torch.testing.assert_close(bn.running_var.double(), x64.var((0, 2, 3)), atol=0, rtol=1e-5)
+    torch.testing.assert_close(bn.running_mean.double(), x64.mean((0, 2, 3)), atol=0, rtol=1e-7)
+    _assert_taken(calls, form, "channels_last", 1)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_near_zero_is_plain_batchnorms_kernel(calls, form, layout):
+    """Where every channel's mean lies within 16 standard deviations of zero, the output, gradients and running
+    statistics are ``nn.BatchNorm2d``'s, bit for bit: the same kernel over ``x`` itself (no shifted copy)."""
+    torch.manual_seed(6)
+    x = make_layout(torch.randn(6, 4, 9, 7) * 2 + 15, layout)
+    dy = make_layout(torch.randn(6, 4, 9, 7), layout)
+    ours, plain = tritonbn.SyncBatchNorm(4), torch.nn.BatchNorm2d(4)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        plain.weight.copy_(ours.weight)
+    got = []
+    for bn in (ours, plain):
+        xg = x.clone().requires_grad_()
+        y = bn(xg)
+        y.backward(dy)
+        got.append([y, xg.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+    _assert_taken(calls, form, layout, 1)
+
+
 def _assert_taken(calls, form, layout, steps):
     """The form asked for took ``steps`` steps (a layout torch's kernels do not keep: the Function's)."""
     if form == "autograd" and layout != "permuted":

@@ -10,9 +10,9 @@ modules would (``benchmarks/cpu_train_step.py`` times both), in one of two forms
   the ops are recorded by torch's autograd itself, with no ``autograd.Function``, so that the backward (and
   the double backward, and forward-mode AD) are torch's own nodes, as in ``nn.BatchNorm2d``;
 * :func:`forward` and :func:`backward`, which the passes call (:mod:`tritonbn._core.passes`: the custom
-  ops, and calls that record nothing), and which write ``y`` over the shifted copy. Backward reads act'(z)
+  ops, and calls that record nothing), and which give ``y`` a tensor of its own. Backward reads act'(z)
   with the ops autograd records for the activation, from the output where the forward kept it, or else from
-  ``z`` made again by the same kernel over the same ``d`` (:func:`_grad_z`): both forms agree bitwise.
+  ``z`` made again by the same kernel over the same input (:func:`_grad_z`): both forms agree bitwise.
 
 In eval with running statistics nothing synchronizes either: :func:`evaluated` is then torch's own eval kernel over
 the input, one native pass as ``nn.BatchNorm2d``'s, its epilogue in place (the passes call it for every eval call
@@ -26,22 +26,28 @@ statistics for a forward that must not update them (an activation-checkpointing 
 
 The numerical promises are the backend's (see :mod:`tritonbn.backends.torch.plain`):
 
-* float32 / float64: ``d = x - p`` first (``p`` each channel's first element; ``torch.sub``, exact
-  where ``x`` is within a factor 2 of ``p``), then torch's training kernel over ``d``
-  (``torch.native_batch_norm``: the mean, then the variance about it, summed as ``nn.BatchNorm2d`` sums
-  them, in float64 or float32 by layout and torch version;
-  ``y = d * alpha + beta`` with ``alpha = invstd * w``, ``beta = b - mean_d * alpha``) and its
-  backward (``aten.native_batch_norm_backward`` over ``d``, with ``mean_d``). Every step sees numbers
-  of the size of the standard deviation, so ``|mean| / std = 1e3`` keeps float32 precision. ``d`` has
-  the gradient of ``x`` (``p`` is a constant to it: batch norm does not change when a channel is
-  shifted). Both forms run the same kernels on the same ``d``, so eager and compiled calls agree bitwise.
+* float32 / float64 on CPU: torch's training kernel over ``x`` itself, as ``nn.BatchNorm2d``'s
+  (``torch.native_batch_norm``: the mean, then the variance about it, summed as ``nn.BatchNorm2d`` sums them;
+  ``y = x * alpha + beta`` with ``alpha = invstd * w``, ``beta = b - mean * alpha``), and its backward
+  (``aten.native_batch_norm_backward`` over ``x``, which forms ``x - mean`` per element): the values and bits of
+  ``nn.BatchNorm2d`` wherever every channel's ``|mean| * invstd`` is at most :data:`SHIFT_ABOVE` (16; one host read
+  of the statistics, which on CPU waits for nothing). There ``x * alpha`` is rounded once at most about 20
+  standard deviations' worth of ``w``: ``y`` within about 20 ulp. Farther from zero the affine form would err by
+  about ``|mean| / std`` ulp, and torch's channels_last kernel sums the variance less precisely, so the call is made
+  again over ``d = x - p`` (``p`` each channel's first element; ``torch.sub``, exact where ``x`` is within a factor
+  2 of ``p``), and so is its backward, which makes the same decision from the same ``mean`` and ``invstd``: every
+  step then sees numbers of the size of the standard deviation, so ``|mean| / std = 1e3`` and beyond keeps float32
+  precision (``d`` has the gradient of ``x``; ``p`` is a constant to it: batch norm does not change when a channel
+  is shifted), and buffers the first call updated are moved by ``momentum`` times the change of each statistic.
+  On a GPU the call is always made over ``d`` (no host read). Both forms run the same kernels on the same
+  tensors, so eager and compiled calls agree bitwise.
 * float16 / bfloat16: ``torch.native_batch_norm`` in training mode (statistics in float32) and its
   backward, on ``x`` itself: the affine form's error stays below 16-bit rounding (see the backend's
   module docstring). The epilogue then runs on the 16-bit output, as torch's unfused modules would; a 16-bit
   layer with a residual and relu or leaky_relu takes the packed path instead (:func:`_rounds_a_kink`).
 * The running statistics of the arithmetic type are updated by torch's kernel (``momentum * value +
-  (1 - momentum) * r``; the variance unbiased), the mean's less ``p`` and ``p`` added back (exact where
-  the mean lies within a factor 2 of ``p``, the case that needs it); others (float32 buffers of a
+  (1 - momentum) * r``; the variance unbiased; over ``d`` on a GPU, the mean's less ``p`` and ``p`` added back,
+  exact where the mean lies within a factor 2 of ``p``, the case that needs it); others (float32 buffers of a
   float64 layer, 16-bit buffers) in float64, rounded once. ``num_batches_tracked`` grows by one. Under
   ``accumulate_stats`` the packed sums ``[n mean | n (var + mean^2) | n]`` are added to the layer's sink
   instead, in float64.
@@ -93,6 +99,18 @@ def _train_(d, weight, bias, rm, rv, momentum, eps):
     return torch.native_batch_norm(d, weight, bias, rm, rv, True, momentum, eps, out=(d, empty, empty.clone()))
 
 
+# Where the unshifted training kernel's output is kept: every channel's |mean| * invstd at most this. Its affine form
+# y = x * alpha + beta then rounds x * alpha (at most about this plus a few standard deviations' worth of w) once: a
+# float32 y within about 20 ulp of |w|, as torch's own BatchNorm's. Beyond it, y comes from the shifted copy.
+SHIFT_ABOVE = 16.0
+
+
+def _needs_shift(mean: torch.Tensor, invstd: torch.Tensor) -> bool:
+    """Whether a channel's mean lies more than :data:`SHIFT_ABOVE` standard deviations from zero (one host read: the
+    CPU path alone, where it waits for nothing)."""
+    return torch.mul(mean.detach(), invstd.detach()).abs_().max().item() > SHIFT_ABOVE
+
+
 def applies(layer, x: torch.Tensor, running_mean: torch.Tensor | None, stats_sink, residual=None) -> bool:
     """Whether the local path takes this training call: two values or more per channel, no cumulative average of
     running statistics (``momentum=None``: the packed path computes its factor), and no kink of a 16-bit sum
@@ -114,7 +132,7 @@ def _rounds_a_kink(layer, x: torch.Tensor, residual) -> bool:
 def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, by_autograd):
     """``(y, mean, invstd)``: the local training forward (see the module docstring). ``by_autograd``: the ops are
     autograd's to record (``y`` a fresh tensor, and ``mean`` ``None`` where nothing reads it); otherwise ``y`` is
-    written over the shifted copy."""
+    in ``x``'s layout (on a GPU written over the shifted copy)."""
     C = x.shape[1]
     n = x.numel() // C
     if stats_sink is not None:
@@ -123,7 +141,29 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     w, b = _as(weight, acc), _as(bias, acc)
     own = running_mean is not None and running_mean.dtype == acc  # buffers torch's kernels update themselves
     momentum = float(layer.momentum) if own else 1.0
-    if x.dtype == acc:
+    if x.dtype == acc and x.device.type == "cpu":
+        # torch's training kernel over x itself, as nn.BatchNorm's, updating buffers of the arithmetic type (others:
+        # momentum 1 over zeros leaves the mean and the unbiased variance)
+        rm, rv = (running_mean, running_var) if own else (torch.zeros(C, dtype=acc), torch.zeros(C, dtype=acc))
+        y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
+        if _needs_shift(mean, invstd):  # far from zero: again, over the shifted copy (see the module docstring)
+            first_mean, first_invstd = mean.detach(), invstd.detach()
+            p = _first(x.detach())
+            d = x - _per_channel(p, x) if by_autograd else _subtract(x, p)
+            rm, rv = torch.zeros(C, dtype=acc), torch.zeros(C, dtype=acc)
+            y, mean_d, invstd = torch.native_batch_norm(d, w, b, rm, rv, True, 1.0, layer.eps)
+            mean = torch.add(mean_d.detach().double(), p)  # float64: a float64 mean_d is that tensor itself
+            if own:  # the first call's update moved by momentum times the change of each statistic, in float64
+                to_var = n / (n - 1)
+                var_change = invstd.detach().double().pow(-2).sub_(first_invstd.double().pow(-2)).mul_(to_var)
+                running_mean.add_(mean - first_mean.double(), alpha=momentum)
+                running_var.add_(var_change, alpha=momentum)
+        elif not (by_autograd and own):
+            mean = mean.detach().double()  # float64; a by_autograd call with its buffers updated reads it nowhere
+        if not by_autograd:
+            y = _in_layout_of(y, x)
+        unbiased = rv
+    elif x.dtype == acc:  # a GPU tensor: no host read of the statistics, always the shifted copy
         p = _first(x.detach())
         d = x - _per_channel(p, x) if by_autograd else _subtract(x, p)
         # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
@@ -364,7 +404,9 @@ def backward(layer, grad_out, x, weight, bias, mean, invstd, residual, output, n
     acc = compute_dtype(x.dtype)
     mask = [input_grad, weight_grad, bias_grad]
     w = _as(weight, acc)
-    if x.dtype == acc:
+    if x.dtype == acc and x.device.type == "cpu" and not _needs_shift(_to(mean, acc), invstd):
+        xs = z_of = x  # the forward's kernel was over x itself (mean and invstd its own: the same decision)
+    elif x.dtype == acc:
         p = _first(x)
         xs, mean = _subtract(x, p), mean - p  # d = x - p and its mean, exactly the forward's
         z_of = xs
