@@ -11,7 +11,8 @@ statistics must agree. Columns:
 * ``import``: ``import tritonbn`` and the versions;
 * ``torch``: the PyTorch backend (``TRITONBN_BACKEND=torch``);
 * ``interpreter``: the Triton kernels under the interpreter (``TRITON_INTERPRET=1``, ``TRITONBN_BACKEND=triton``);
-* ``aot``: every kernel compiled for sm_90 without a GPU (``tests/helpers/aot_compile.py --quick``);
+* ``aot``: every kernel compiled for sm_90 without a GPU (``tests/helpers/aot_compile.py --quick``, or with
+  ``--aot smoke`` each kernel once per plan: the oldest pair's smoke in CI, whose sweep compiles the rest);
 * ``direct``: the direct launch against Triton's own ``JITFunction.run`` over a fake driver
   (``tests/helpers/launch_check.py``: no mismatch, and launches taking the direct path);
 * ``sync2``: two gloo ranks under the interpreter, each with half of the batch, against the oracle on the
@@ -206,13 +207,13 @@ def _subprocess(cmd: list[str], env: dict, timeout: int) -> subprocess.Completed
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def column(name: str, timeout: int = 900) -> str:
+def column(name: str, timeout: int = 900, aot: str = "quick") -> str:
     """``ok`` or ``FAIL: why`` for one column, run in a subprocess of this interpreter."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITONBN_BACKEND")}
     env.update(ENVS.get(name, {}))
     env.setdefault("PYTHONWARNINGS", "ignore")
     if name == "aot":
-        cmd = [sys.executable, str(ROOT / "tests/helpers/aot_compile.py"), "--quick"]
+        cmd = [sys.executable, str(ROOT / "tests/helpers/aot_compile.py"), f"--{aot}"]
     elif name == "direct":
         cmd = [sys.executable, str(ROOT / "tests/helpers/launch_check.py")]
     else:
@@ -238,6 +239,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--columns", default=",".join(COLUMNS), help=f"comma-separated, of {', '.join(COLUMNS)}")
     parser.add_argument("--markdown", action="store_true", help="print one Markdown table row")
+    parser.add_argument("--aot", choices=("quick", "smoke"), default="quick", help="the aot column's compiles")
     parser.add_argument("--in-process", metavar="COLUMN", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.in_process:
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
     versions = {p: md.version(p) for p in ("torch", "triton", "numpy")}
     results = {}
     for name in columns:
-        results[name] = column(name)
+        results[name] = column(name, aot=args.aot)
         if not args.markdown:
             print(f"{TITLES[name]}: {results[name]}", flush=True)
     if args.markdown:

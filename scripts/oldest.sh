@@ -25,6 +25,8 @@ if [ "$step" != smoke ]; then
     echo "oldest pair: set up in $((SECONDS - start)) s"
 fi
 if [ "$step" != setup ]; then
-    "$venv/bin/python" scripts/compat_smoke.py --columns import,torch,interpreter,sync2,direct,aot,compile
+    # --aot smoke: each kernel once per plan (12 compiles, ~12 s; --quick's 60 took ~45 s of the block's CPU), the
+    # exhaustive compiles being the sweep's, with the newest pair
+    "$venv/bin/python" scripts/compat_smoke.py --aot smoke --columns import,torch,interpreter,sync2,direct,aot,compile
     echo "oldest pair: smoke done in $((SECONDS - start)) s"
 fi

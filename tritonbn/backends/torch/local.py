@@ -180,7 +180,7 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
         unbiased = rv
     else:  # torch's training kernel in its mixed-type form (16-bit input, float32 parameters): float32 statistics
         # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
-        rm, rv = (running_mean, running_var) if own else torch.zeros(2, C, dtype=acc, device=x.device)
+        rm, rv = (running_mean, running_var) if own else (x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc))
         y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
         y, mean = (y if by_autograd else _in_layout_of(y, x)), (None if by_autograd and own else mean.detach().double())
         unbiased = rv
