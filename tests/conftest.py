@@ -79,16 +79,11 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(config, items):
     root = os.path.dirname(os.path.abspath(__file__))
+    wheres = {id(item): os.path.relpath(str(item.path), root).replace(os.sep, "/") for item in items}
     rank = {where: i for i, where in enumerate(LONGEST_FIRST)}
-    place = {id(item): i for i, item in enumerate(items)}
-
-    def order(item):  # a module's own tests keep their order
-        where = os.path.relpath(str(item.path), root).replace(os.sep, "/")
-        return rank.get(where, len(rank)), place[id(item)]
-
-    items.sort(key=order)
+    items.sort(key=lambda item: rank.get(wheres[id(item)], len(rank)))  # stable: each module keeps its own order
     for item in items:
-        where = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+        where = wheres[id(item)]
         test = where + "::" + item.name
         distributed = item.get_closest_marker("distributed") is not None and where != INNER_RANKS
         if distributed or where.startswith(SLOW) or test.startswith(SLOW):

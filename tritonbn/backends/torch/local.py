@@ -111,6 +111,14 @@ def _needs_shift(mean: torch.Tensor, invstd: torch.Tensor) -> bool:
     return torch.mul(mean.detach(), invstd.detach()).abs_().max().item() > SHIFT_ABOVE
 
 
+def _over_shifted_copy(x, p, w, b, rm, rv, momentum, eps, by_autograd):
+    """``(y, mean_d, invstd)`` of torch's training kernel over ``d = x - p`` (``p`` per channel, a constant to
+    autograd), ``y`` written over ``d`` where autograd does not record the ops (see :func:`_train_`)."""
+    if by_autograd:
+        return torch.native_batch_norm(x - _per_channel(p, x), w, b, rm, rv, True, momentum, eps)
+    return _train_(_subtract(x, p), w, b, rm, rv, momentum, eps)
+
+
 def applies(layer, x: torch.Tensor, running_mean: torch.Tensor | None, stats_sink, residual=None) -> bool:
     """Whether the local path takes this training call: two values or more per channel, no cumulative average of
     running statistics (``momentum=None``: the packed path computes its factor), and no kink of a 16-bit sum
@@ -132,7 +140,7 @@ def _rounds_a_kink(layer, x: torch.Tensor, residual) -> bool:
 def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, by_autograd):
     """``(y, mean, invstd)``: the local training forward (see the module docstring). ``by_autograd``: the ops are
     autograd's to record (``y`` a fresh tensor, and ``mean`` ``None`` where nothing reads it); otherwise ``y`` is
-    in ``x``'s layout (on a GPU written over the shifted copy)."""
+    in ``x``'s layout (written over the shifted copy where one is made)."""
     C = x.shape[1]
     n = x.numel() // C
     if stats_sink is not None:
@@ -141,49 +149,38 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     w, b = _as(weight, acc), _as(bias, acc)
     own = running_mean is not None and running_mean.dtype == acc  # buffers torch's kernels update themselves
     momentum = float(layer.momentum) if own else 1.0
-    if x.dtype == acc and x.device.type == "cpu":
-        # torch's training kernel over x itself, as nn.BatchNorm's, updating buffers of the arithmetic type (others:
-        # momentum 1 over zeros leaves the mean and the unbiased variance)
-        rm, rv = (running_mean, running_var) if own else (torch.zeros(C, dtype=acc), torch.zeros(C, dtype=acc))
+    if x.dtype == acc and x.device.type != "cpu":  # a GPU tensor: no host read of the statistics, always shifted
+        p = _first(x.detach())
+        # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
+        rm, rv = (torch.sub(running_mean, p), running_var) if own else torch.zeros(2, C, dtype=acc, device=x.device)
+        y, mean_d, invstd = _over_shifted_copy(x, p, w, b, rm, rv, momentum, layer.eps, by_autograd)
+        if own:
+            torch.add(rm, p, out=running_mean)
+        # float64 (out of place: a float64 mean_d is that tensor itself); a by_autograd call with its buffers updated
+        # reads it nowhere
+        mean = None if by_autograd and own else torch.add(mean_d.detach().double(), p)
+    else:  # torch's training kernel over x itself, as nn.BatchNorm's (16-bit x: its mixed-type form, float32
+        # statistics), updating buffers of the arithmetic type; others: momentum 1 over zeros leaves the mean and
+        # the unbiased variance
+        rm, rv = (running_mean, running_var) if own else (x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc))
         y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
-        if _needs_shift(mean, invstd):  # far from zero: again, over the shifted copy (see the module docstring)
+        if x.dtype == acc and _needs_shift(mean, invstd):  # far from zero: again, over the shifted copy (see the
+            # module docstring)
             first_mean, first_invstd = mean.detach(), invstd.detach()
             p = _first(x.detach())
-            d = x - _per_channel(p, x) if by_autograd else _subtract(x, p)
-            rm, rv = torch.zeros(C, dtype=acc), torch.zeros(C, dtype=acc)
-            y, mean_d, invstd = torch.native_batch_norm(d, w, b, rm, rv, True, 1.0, layer.eps)
+            rm, rv = x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc)
+            y, mean_d, invstd = _over_shifted_copy(x, p, w, b, rm, rv, 1.0, layer.eps, by_autograd)
             mean = torch.add(mean_d.detach().double(), p)  # float64: a float64 mean_d is that tensor itself
             if own:  # the first call's update moved by momentum times the change of each statistic, in float64
                 to_var = n / (n - 1)
                 var_change = invstd.detach().double().pow(-2).sub_(first_invstd.double().pow(-2)).mul_(to_var)
                 running_mean.add_(mean - first_mean.double(), alpha=momentum)
                 running_var.add_(var_change, alpha=momentum)
-        elif not (by_autograd and own):
-            mean = mean.detach().double()  # float64; a by_autograd call with its buffers updated reads it nowhere
+        else:  # float64; a by_autograd call with its buffers updated reads it nowhere
+            mean = None if by_autograd and own else mean.detach().double()
         if not by_autograd:
             y = _in_layout_of(y, x)
-        unbiased = rv
-    elif x.dtype == acc:  # a GPU tensor: no host read of the statistics, always the shifted copy
-        p = _first(x.detach())
-        d = x - _per_channel(p, x) if by_autograd else _subtract(x, p)
-        # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
-        rm, rv = (torch.sub(running_mean, p), running_var) if own else torch.zeros(2, C, dtype=acc, device=x.device)
-        if by_autograd:
-            y, mean_d, invstd = torch.native_batch_norm(d, w, b, rm, rv, True, momentum, layer.eps)
-        else:
-            y, mean_d, invstd = _train_(d, w, b, rm, rv, momentum, layer.eps)
-        if own:
-            torch.add(rm, p, out=running_mean)
-        # float64 (out of place: a float64 mean_d is that tensor itself); a by_autograd call with its buffers updated
-        # reads it nowhere
-        mean = None if by_autograd and own else torch.add(mean_d.detach().double(), p)
-        unbiased = rv
-    else:  # torch's training kernel in its mixed-type form (16-bit input, float32 parameters): float32 statistics
-        # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
-        rm, rv = (running_mean, running_var) if own else (x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc))
-        y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
-        y, mean = (y if by_autograd else _in_layout_of(y, x)), (None if by_autograd and own else mean.detach().double())
-        unbiased = rv
+    unbiased = rv
     if stats_sink is not None:  # sum x = n mean, sum x^2 = n (var + mean^2), n
         stats_sink[:C].add_(mean, alpha=n)
         stats_sink[C : 2 * C].add_(torch.addcmul(unbiased.double() * ((n - 1) / n), mean, mean), alpha=n)
