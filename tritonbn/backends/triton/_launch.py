@@ -46,8 +46,6 @@ instrumentation mode) are read when a kernel is first found for a plan, as in in
 from __future__ import annotations
 
 import functools
-import operator
-from functools import reduce
 
 import torch
 import triton
@@ -151,9 +149,14 @@ def device_sm(index: int) -> dict:
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _one_of(index: int):
-    """Like ``operator.itemgetter(index)``, but giving a 1-tuple."""
-    return lambda pointers: (pointers[index],)
+@functools.cache
+def address_bits(checked: tuple[int, ...]):
+    """``pointers -> int``: the bitwise OR of the data pointers at positions ``checked`` (its low 4 bits are 0 when all
+    of them are 16-byte aligned), written out as one expression, as Triton writes its binders: reading them through
+    ``map`` and ``reduce`` cost 0.8 us a launch, a quarter of the launch path (``benchmarks/host_overhead.py``)."""
+    if not checked or not all(isinstance(i, int) and i >= 0 for i in checked):
+        raise ValueError(f"tritonbn: checked must be pointer positions, got {checked!r}")
+    return eval("lambda p: " + " | ".join(f"ptr(p[{i}])" for i in checked), {"ptr": _data_ptr})  # noqa: S307
 
 
 def refit_with(build, *args, device: torch.device):
@@ -190,7 +193,7 @@ class Launch:
         # them to 16 bytes and more) and the stand-ins for absent tensors that repeat a checked or allocated one.
         if checked is None:
             checked = tuple(range(pointers))
-        self.checked = operator.itemgetter(*checked) if len(checked) > 1 else _one_of(checked[0])
+        self.checked = address_bits(tuple(checked))
         self.tickets = tickets  # ticket counters and float64 scratch values it needs from the workspace
         self.scratch = scratch
         self.grid = grid
@@ -279,7 +282,7 @@ class Launch:
                 return
             device = active.get_current_device()
             # Triton specializes a pointer on whether it is 16-byte aligned: all of them, usually.
-            if reduce(operator.or_, map(_data_ptr, self.checked(pointers))) & 15:
+            if self.checked(pointers) & 15:
                 key = (device, tuple([p & 15 == 0 for p in map(_data_ptr, pointers)]))
             else:
                 key = device
