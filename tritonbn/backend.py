@@ -104,12 +104,12 @@ def _needs_interpreter(device_type: str) -> str:
     )
 
 
-_backend_variable = _compat.environ_reader("TRITONBN_BACKEND")
+backend_variable = _compat.environ_reader("TRITONBN_BACKEND")  # its value (None where unset), read at each call
 
 
 def selected() -> str:
     """The value of ``TRITONBN_BACKEND``, checked."""
-    name = _backend_variable()
+    name = backend_variable()
     if name is None or name in BACKENDS:  # the common cases, without string work
         return name or "auto"
     name = name.strip().lower() or "auto"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -168,7 +169,7 @@ def _layers(rank, case):
 def _mismatching_forward(rank, case, layers):
     """The forward of one training step, in which rank 1 does something else than rank 0 as ``case`` says."""
     order = ["bn1", "bn2"]
-    if rank == 1 and case == "reorder":
+    if rank == 1 and case in ("reorder", "eval, reorder"):
         order = ["bn2", "bn1"]
     if rank == 1 and case.startswith("skip"):
         order = ["bn2"]
@@ -184,7 +185,7 @@ def _mismatching_forward(rank, case, layers):
     return outputs[0].sum() if rank == 1 and case == "backward" else sum(y.sum() for y in outputs)
 
 
-MISMATCHES = ["reorder", "skip", "skip, other shape", "mode", "channels", "rejects input", "backward"]
+MISMATCHES = ["reorder", "skip", "skip, other shape", "mode", "channels", "rejects input", "backward", "eval, reorder"]
 
 
 def _snapshot(layers):
@@ -195,21 +196,37 @@ def _snapshot(layers):
 
 def _rank_mismatches(rank, world, out_dir):
     results = {}
+    backend = os.environ.get("TRITONBN_BACKEND")
     for case in MISMATCHES:
         torch.manual_seed(rank)
         layers = _layers(rank, case)
+        # in eval without autograd, after a call like it: the PyTorch backend's straight path (evaluated_again)
+        evaluating = case.startswith("eval")
+        grad = torch.no_grad() if evaluating else contextlib.nullcontext()
+        if evaluating:
+            layers.eval()
+            os.environ["TRITONBN_BACKEND"] = "torch"
         if case != "channels":  # a matching step first: the identities agree
-            _mismatching_forward(rank, "none", layers).backward()
+            with grad:
+                loss = _mismatching_forward(rank, "none", layers)
+            if not evaluating:
+                loss.backward()
         before = _snapshot(layers)
         try:
-            loss = _mismatching_forward(rank, case, layers)
+            with grad:
+                loss = _mismatching_forward(rank, case, layers)
             before = _snapshot(layers)  # the forward matched (case "backward"): it rightly updated the statistics
-            loss.backward()
+            if not evaluating:
+                loss.backward()
             error = None
         except (ValueError, TypeError) as e:
             error = (type(e).__name__, str(e))
         same = lambda a, b: a is b is None or (a is not None and b is not None and torch.equal(a, b))  # noqa: E731
         changed = [k for k, v in _snapshot(layers).items() if not same(v, before[k])]
+        if backend is None:
+            os.environ.pop("TRITONBN_BACKEND", None)
+        else:
+            os.environ["TRITONBN_BACKEND"] = backend
         t = torch.ones(1)
         dist.all_reduce(t)  # the process group is still usable: nothing hangs, nothing is left half-done
         results[case] = {"error": error, "changed": changed, "after": t.item()}
@@ -241,6 +258,10 @@ EXPECTED = {
     "backward": (
         "tritonbn backward: ranks disagree on layer at call",
         ["rank 0: backward of layer 'bn2'", "rank 1: backward of layer 'bn1'"],
+    ),
+    "eval, reorder": (
+        "ranks disagree on layer at call",
+        ["rank 0: forward of layer 'bn1'", "rank 1: forward of layer 'bn2'"],
     ),
 }
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from meta_tensor import Meta
 
 import tritonbn
+from tritonbn import modules
 from tritonbn.backends.torch import local
 
 
@@ -137,6 +139,117 @@ def test_declines_where_the_packed_path_takes_the_call(evals):
     with torch.no_grad():
         bn16(x.to(torch.bfloat16))  # 16-bit input, float32 parameters: torch's mixed-type kernel
     assert evals == {"taken": 1, "declined": 3}
+
+
+def _dispatched(monkeypatch) -> list:
+    """Each call of the whole dispatch (``tritonbn._core.dispatch.run``) that the module makes, appended to a list."""
+    calls = []
+    original = modules.run
+
+    def count(*args, **kwargs):
+        calls.append(args[1].input)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "run", count)
+    return calls
+
+
+@pytest.mark.parametrize("grad", ["inference_mode", "no_grad"])
+def test_a_repeated_eval_call_skips_the_dispatch(evals, monkeypatch, grad):
+    """An eval call without autograd like the layer's last checked one (``dispatch.evaluated_again``) runs the one
+    native pass straight, with ``F.batch_norm``'s float64 values; any other call takes the whole dispatch."""
+    calls = _dispatched(monkeypatch)
+    bn = _layer(6, torch.float64)
+    x = torch.randn(4, 6, 5, 3, dtype=torch.float64) * 3 + 2
+    with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(bn(x), _reference(bn, x))
+        assert len(calls) == 1 and evals == {"taken": 2, "declined": 0}  # the second call found it takes the third
+        r = torch.randn_like(x)
+        assert torch.equal(bn(x, r), _reference(bn, x, r))  # a residual
+        bn(x, mask=torch.ones(4, 5, 3, dtype=torch.bool))  # a mask
+        assert len(calls) == 3
+        for _ in range(2):  # strides torch's eval kernel does not keep: the packed path, each time
+            torch.testing.assert_close(bn(x.transpose(2, 3)), _reference(bn, x.transpose(2, 3)), rtol=0, atol=1e-12)
+        bn(x)
+        assert len(calls) == 6
+        monkeypatch.setenv("TRITONBN_BACKEND", "auto")  # under the interpreter: the kernels, each time
+        for _ in range(2):
+            torch.testing.assert_close(bn(x), _reference(bn, x), rtol=0, atol=1e-12)
+        monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+        assert len(calls) == 8
+        bn(x)
+        assert len(calls) == 8
+        with torch.no_grad():
+            bn.running_var.copy_(bn.running_var * 2)  # the same buffer, new values: read at each call
+        assert torch.equal(bn(x), _reference(bn, x)) and len(calls) == 8
+        bn.running_var = bn.running_var.clone()  # another buffer: checked again
+        bn(x)
+        bn(x)
+        assert len(calls) == 9
+        bn.running_var.data = bn.running_var.data.float()  # by hand, another dtype: checked again
+        torch.testing.assert_close(bn(x), _reference(bn, x, running_var=bn.running_var.double()))
+        assert len(calls) == 10
+    bn.double().train()
+    bn(x)
+    bn.eval()
+    with torch.no_grad():
+        bn(x)
+        assert len(calls) == 12
+    bn(x.requires_grad_())  # autograd records
+    assert len(calls) == 13
+
+
+def _traced_kinds(bn, x) -> list[str]:
+    with torch.no_grad():
+        return [node.kind() for node in torch.jit.trace(bn, x).graph.nodes()]
+
+
+def _fx_targets(bn, x) -> list[str]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.no_grad():
+        return [str(node.target) for node in make_fx(bn)(x).graph.nodes]
+
+
+@pytest.mark.parametrize("how", ["jit.trace", "make_fx", "subclass", "vmap", "forward_ad", "grad_mode"])
+def test_a_repeated_eval_call_still_traces_as_the_first(evals, monkeypatch, how):
+    """After an eager eval call, a call like it under a tracer, a dispatch mode, a ``torch.func`` transform or
+    forward-mode AD, with a ``__torch_function__`` subclass or with autograd records what a fresh layer's call does:
+    the straight path never takes it."""
+    calls = _dispatched(monkeypatch)
+    fresh, bn = _layer(4), _layer(4)
+    x = torch.randn(3, 4, 5)
+    with torch.no_grad():
+        bn(x)
+    if how == "jit.trace":
+        assert _traced_kinds(bn, x) == _traced_kinds(fresh, x)
+    elif how == "make_fx":
+        assert _fx_targets(bn, x) == _fx_targets(fresh, x)
+    elif how == "subclass":
+        from tritonbn._core.dispatch import normalize
+
+        Meta.seen.clear()
+        with torch.no_grad():
+            y = bn(Meta(x, meta={"affine": 1}))
+        assert type(y) is Meta and y.meta == {"affine": 1} and normalize in Meta.seen
+    elif how == "vmap":
+        with torch.no_grad():
+            y = torch.func.vmap(bn)(torch.stack([x, x]))  # per sample, the strides of x
+        assert torch.allclose(y, _reference(bn, x).expand(2, 3, 4, 5))
+    elif how == "forward_ad":
+        import torch.autograd.forward_ad as fwAD
+
+        tangent = torch.randn_like(x)
+        with torch.no_grad(), fwAD.dual_level():
+            y = fwAD.unpack_dual(bn(fwAD.make_dual(x, tangent)))
+        scale = bn.weight / (bn.running_var + bn.eps).sqrt()
+        assert torch.allclose(y.tangent, tangent * scale[:, None], atol=1e-6)
+    else:
+        y = bn(x.clone().requires_grad_())
+        y.sum().backward()
+        assert bn.weight.grad is not None
+    assert len(calls) == 2 if how not in ("jit.trace", "make_fx") else len(calls) >= 3
 
 
 @pytest.mark.parametrize("activation", ["relu", "silu"])

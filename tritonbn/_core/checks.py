@@ -173,10 +173,24 @@ def check_eager_call(settings, operands, num_features: int | None = None) -> tup
     if t.mask is not None or t.sink is not None:
         return check_call(settings, t, num_features)
     x, r = t.input, t.residual
-    held = (t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked)
-    w, b, rm, rv, nbt = held
+    held = w, b, rm, rv, nbt = t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked
+    meta = call_meta(x, r, w, b, rm, rv, nbt, num_features)
+    last = settings.checked
+    if last is not None and last[0] == meta:
+        w0, b0, rm0, rv0, nbt0 = last[1]
+        if w0 is w and b0 is b and rm0 is rm and rv0 is rv and nbt0 is nbt:
+            return last
+    check_call(settings, t, num_features)
+    record = settings.checked = (meta, held, {})
+    return record
+
+
+def call_meta(x, r, w, b, rm, rv, nbt, num_features) -> tuple:
+    """What :func:`check_eager_call` compares between calls: the shape, strides, dtype and device of the input
+    ``x`` and of the residual ``r``, the shapes, dtypes and devices of the parameters and buffers (``None`` for an
+    absent one), and ``num_features``."""
     # one flat tuple, written out: this runs at every eager call (benchmarks/host_overhead.py times it)
-    meta = (
+    return (
         x.shape, x.stride(), x.dtype, x.device, num_features,
         None if r is None else r.shape, None if r is None else r.stride(), None if r is None else r.dtype,
         None if r is None else r.device,
@@ -186,14 +200,6 @@ def check_eager_call(settings, operands, num_features: int | None = None) -> tup
         None if rv is None else rv.shape, None if rv is None else rv.dtype, None if rv is None else rv.device,
         None if nbt is None else nbt.shape, None if nbt is None else nbt.dtype, None if nbt is None else nbt.device,
     )  # fmt: skip
-    last = settings.checked
-    if last is not None and last[0] == meta:
-        w0, b0, rm0, rv0, nbt0 = last[1]
-        if w0 is w and b0 is b and rm0 is rm and rv0 is rv and nbt0 is nbt:
-            return last
-    check_call(settings, t, num_features)
-    record = settings.checked = (meta, held, {})
-    return record
 
 
 def check_traced_call(*args) -> None:

@@ -27,16 +27,17 @@ from tritonbn._compat import (
     dispatch_stack_len,
     forward_ad_active,
     functorch_transforms_active,
+    jit_tracing,
     torch_function_subclass,
 )
 from tritonbn._core.call import LayerSettings, Operands, in_backward, synchronizes_with_nobody
-from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call, check_eager_call, check_traced_call
+from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, call_meta, check_call, check_eager_call, check_traced_call
 from tritonbn._core.custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD
 from tritonbn._core.eager import apply_eager
 from tritonbn._core.lowering import exporter, lowered, under_transform
 from tritonbn._core.passes import forward_pass
 from tritonbn._signature import check_signature, debug_enabled, signature
-from tritonbn.backend import ops_for
+from tritonbn.backend import backend_variable, ops_for
 
 
 def is_eager(x: torch.Tensor) -> bool:
@@ -132,6 +133,57 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
                 return y
         return apply_eager(input, t.weight, t.bias, t.residual, backend, settings, t)
     return forward_pass(backend, settings, t, save_stats=False, enclosing=True, declined=declined)[0]
+
+
+EVALUATED = "evaluated"  # a checked record's entry: an eval call like it takes the backend's one native pass
+
+
+def evaluated_again(settings: LayerSettings, input, weight, bias, running_mean, running_var, num_features=None):
+    """The output of an eval call without autograd that repeats the layer's last checked call, or ``None``: take
+    :func:`run`. The module's first step (:meth:`tritonbn.SyncBatchNorm._normalize`), for a call without residual
+    or mask, in eval with running statistics.
+
+    What :func:`run` would do with such a call, on the path it takes for it (checked, eager, nothing recorded, the
+    backend's one native eval pass), when all of these hold: an eager call (not compiled, traced or exported, no
+    ``torch.func`` transform, dispatch mode or forward-mode AD, a plain tensor), grad mode off, no signature to
+    compare across ranks, and the record of ``settings``' last call that passed the checks
+    (:func:`~tritonbn._core.checks.check_eager_call`) has this input's shape, strides, dtype and device, no
+    residual, and the very same parameter and buffer tensors, with the same shapes, dtypes and devices. A layer in a
+    network pays about half the host time of the whole dispatch this way (``benchmarks/cpu_eval_step.py``); the
+    Triton backend, which has no native eval pass, returns ``None``.
+    """
+    record = settings.checked
+    if record is None:
+        return None
+    # (TRITONBN_BACKEND as it was, what its eval pass runs for calls like the record's: None where it declined them)
+    kept = record[2]
+    straight = kept.get(EVALUATED)
+    known = straight is not None and straight[0] == backend_variable()
+    if known and straight[1] is None:  # the Triton backend, or a layout torch's eval kernel does not keep
+        return None
+    if (
+        type(input) is not torch.Tensor
+        or torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or jit_tracing()
+        or functorch_transforms_active()
+        or dispatch_stack_len()
+        or forward_ad_active()
+        or (settings.debug_group is not None and debug_enabled())
+    ):
+        return None
+    w0, b0, rm0, rv0, nbt0 = record[1]
+    if not (w0 is weight and b0 is bias and rm0 is running_mean and rv0 is running_var and nbt0 is None):
+        return None
+    if record[0] != call_meta(input, None, weight, bias, running_mean, running_var, None, num_features):
+        return None
+    if known:
+        return straight[1](settings, input, weight, bias, running_mean, running_var)
+    local = ops_for(input).local
+    y = None if local is None else local.evaluated(settings, input, weight, bias, running_mean, running_var, None)
+    # it takes or declines every call like this one (by its layout and types): the next goes straight there, or on
+    kept[EVALUATED] = (backend_variable(), None if y is None else local.evaluated_natively)
+    return y
 
 
 def _check(settings: LayerSettings, t: Operands, num_features, compiling: bool, how: str | None):

@@ -254,9 +254,7 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
     if not _eval_types(x, weight, bias, running_mean, running_var):
         return None
     if residual is None or x.dtype == compute_dtype(x.dtype):
-        y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
-        if residual is not None or layer.activation is not None:
-            y = _epilogue(layer, y, residual, False)
+        y = evaluated_natively(layer, x, weight, bias, running_mean, running_var, residual)
         if not save_stats:
             return y
     else:  # a 16-bit residual: the sum in float32, rounded once at the end (as the kernels and the export lowering)
@@ -273,6 +271,16 @@ def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_
     mean = running_mean.to(torch.float64, copy=True)  # an output of its own, never the running buffer
     invstd = _as((running_var.double() + layer.eps).rsqrt_(), compute_dtype(x.dtype))  # as the packed path's
     return y, mean, invstd, running_stats(running_mean, running_var)
+
+
+def evaluated_natively(layer, x, weight, bias, running_mean, running_var, residual=None):
+    """:func:`evaluated`'s ``y`` where it takes the call in one native pass (a layout torch's kernels keep, types its
+    eval kernel takes, and no 16-bit residual, as :func:`evaluated` has found for a call like this one): torch's eval
+    kernel over ``x``, then the epilogue in place."""
+    y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
+    if residual is not None or layer.activation is not None:
+        y = _epilogue(layer, y, residual, False)
+    return y
 
 
 def running_stats(running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
