@@ -12,7 +12,9 @@ A call is checked (:mod:`tritonbn._core.checks`, and with ``TRITONBN_DEBUG=1`` t
   PyTorch backend, a layer that synchronizes with nobody, and every eval call without a mask, runs torch's own ops
   instead, which autograd records itself: :func:`tritonbn.backends.torch.local.recorded` and
   :func:`~tritonbn.backends.torch.local.recorded_eval`);
-* without autograd (inference, or nothing needs a gradient): :func:`~tritonbn._core.passes.forward_pass` alone.
+* without autograd (inference, or nothing needs a gradient): :func:`~tritonbn._core.passes.forward_pass` alone;
+  the module's eval call that repeats its last checked one goes there without :func:`run`
+  (:func:`evaluated_again`).
 
 A call is a :class:`~tritonbn._core.call.LayerSettings` (built by :func:`~tritonbn._core.call.settings_for`,
 once per module) and its :class:`~tritonbn._core.call.Operands`.
