@@ -212,7 +212,19 @@ def _fx_targets(bn, x) -> list[str]:
         return [str(node.target) for node in make_fx(bn)(x).graph.nodes]
 
 
-@pytest.mark.parametrize("how", ["jit.trace", "make_fx", "subclass", "vmap", "forward_ad", "grad_mode"])
+def _compiled_targets(bn, x) -> list[str]:
+    targets = []
+
+    def backend(gm, inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    with torch.no_grad():
+        torch.compile(bn, fullgraph=True, backend=backend)(x)
+    return targets
+
+
+@pytest.mark.parametrize("how", ["jit.trace", "make_fx", "compile", "subclass", "vmap", "forward_ad", "grad_mode"])
 def test_a_repeated_eval_call_still_traces_as_the_first(evals, monkeypatch, how):
     """After an eager eval call, a call like it under a tracer, a dispatch mode, a ``torch.func`` transform or
     forward-mode AD, with a ``__torch_function__`` subclass or with autograd records what a fresh layer's call does:
@@ -226,6 +238,8 @@ def test_a_repeated_eval_call_still_traces_as_the_first(evals, monkeypatch, how)
         assert _traced_kinds(bn, x) == _traced_kinds(fresh, x)
     elif how == "make_fx":
         assert _fx_targets(bn, x) == _fx_targets(fresh, x)
+    elif how == "compile":
+        assert _compiled_targets(bn, x) == _compiled_targets(fresh, x)
     elif how == "subclass":
         from tritonbn._core.dispatch import normalize
 
@@ -249,7 +263,7 @@ def test_a_repeated_eval_call_still_traces_as_the_first(evals, monkeypatch, how)
         y = bn(x.clone().requires_grad_())
         y.sum().backward()
         assert bn.weight.grad is not None
-    assert len(calls) == 2 if how not in ("jit.trace", "make_fx") else len(calls) >= 3
+    assert len(calls) == 2 if how not in ("jit.trace", "make_fx", "compile") else len(calls) >= 3
 
 
 @pytest.mark.parametrize("activation", ["relu", "silu"])

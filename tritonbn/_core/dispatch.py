@@ -155,7 +155,7 @@ def evaluated_again(settings: LayerSettings, input, weight, bias, running_mean, 
     Triton backend, which has no native eval pass, returns ``None``.
     """
     record = settings.checked
-    if record is None:
+    if record is None or torch.compiler.is_compiling():  # first: dynamo traces nothing below
         return None
     # (TRITONBN_BACKEND as it was, what its eval pass runs for calls like the record's: None where it declined them)
     kept = record[2]
@@ -166,7 +166,6 @@ def evaluated_again(settings: LayerSettings, input, weight, bias, running_mean, 
     if (
         type(input) is not torch.Tensor
         or torch.is_grad_enabled()
-        or torch.compiler.is_compiling()
         or jit_tracing()
         or functorch_transforms_active()
         or dispatch_stack_len()
