@@ -121,3 +121,40 @@ def test_launches_follow_every_change_of_the_call(finds):
     for name in ("running_mean", "running_var"):
         setattr(bn, name, getattr(bn, name).float())
     _step(bn, oracle, x, dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("affine", [True, False])
+def test_prepared_launchers_return_the_public_launchers_tensors(dtype, affine):
+    """A layer's prepared launchers allocate their outputs like the ones they kept (``Prepared.like``): on each call,
+    the second too, every output has the public launcher's shape, strides, dtype and device, and its values, bitwise
+    (a launch found for a float32 pointer and handed a float64 buffer reads garbage on a GPU, not here)."""
+    from tritonbn.backends.triton._prepared import Prepared
+
+    torch.manual_seed(0)
+    x, dy = torch.randn(3, C, 5, dtype=dtype), torch.randn(3, C, 5, dtype=dtype)
+    w, b = (torch.rand(C, dtype=dtype) + 0.5, torch.randn(C, dtype=dtype)) if affine else (None, None)
+    prepared = Prepared()
+
+    def same(got, want):
+        for g, h in zip(got, want, strict=True):
+            assert (g is None) == (h is None)
+            if g is not None:
+                assert (g.shape, g.stride(), g.dtype, g.device) == (h.shape, h.stride(), h.dtype, h.device)
+                assert torch.equal(g, h)
+
+    for _ in range(2):
+        st = prepared.batch_norm_stats(x)
+        same([st], [stats.batch_norm_stats(x)])
+        rm, rv = torch.zeros(C, dtype=dtype), torch.ones(C, dtype=dtype)
+        got = prepared.batch_norm_elemt(x, w, b, stats=st, running_mean=rm.clone(), running_var=rv.clone())
+        y, mean, invstd = elemt.batch_norm_elemt(x, w, b, stats=st, running_mean=rm.clone(), running_var=rv.clone())
+        same(got, (y, mean, invstd))
+        got = prepared.batch_norm_backward_reduce(dy, x, mean, invstd, w, weight_grad=affine, bias_grad=affine)
+        sums, *grads = backward_reduce.batch_norm_backward_reduce(
+            dy, x, mean, invstd, w, weight_grad=affine, bias_grad=affine
+        )
+        same(got, (sums, *grads))
+        count = st[-1:]
+        same([prepared.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count)],
+             [backward_elemt.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, count)])  # fmt: skip

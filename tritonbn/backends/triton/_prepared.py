@@ -28,6 +28,9 @@ of the call's other tensors only (the input, the gradient, the parameters and bu
 
 from __future__ import annotations
 
+import torch
+
+from tritonbn._numerics import compute_dtype
 from tritonbn.backends.triton import _plan, backward_elemt, backward_reduce, elemt
 from tritonbn.backends.triton import stats as statistics
 from tritonbn.backends.triton.backward_reduce import aux_tensor
@@ -36,7 +39,7 @@ from tritonbn.backends.triton.backward_reduce import aux_tensor
 class Prepared:
     """The Triton backend's four launchers for the calls of one layer that match one checked record."""
 
-    __slots__ = ("name", "local", "prepare", "generation", "stats", "elemt", "reduce", "elemt_backward")
+    __slots__ = ("name", "local", "prepare", "generation", "stats", "elemt", "reduce", "elemt_backward", "like")
 
     def __init__(self) -> None:
         self.name, self.local, self.prepare = "triton", None, None  # what the passes read of a Backend
@@ -45,6 +48,26 @@ class Prepared:
         self.elemt: dict = {}
         self.reduce: dict = {}
         self.elemt_backward: dict = {}
+        # What the launchers allocate at each call, by name, as tensors of its shape, dtype and device: they allocate
+        # ``torch.empty_like`` of these (no sizes, dtype and device parsed; about 9 us less host time per training
+        # forward+backward, in benchmarks/host_overhead.py, than ``torch.empty(..., dtype=, device=)``).
+        self.like: dict = {}
+
+    def _like(self, name: str, x, weight=None):
+        """The :attr:`like` tensors ``name`` (``"stats"``, ``"elemt"``: mean and invstd, ``"reduce"``: the sums and a
+        parameter's gradient) for the record's calls, made at the first call that needs them."""
+        like = self.like.get(name)
+        if like is None:
+            C, device, acc = x.shape[1], x.device, compute_dtype(x.dtype)
+            if name == "stats":
+                like = torch.empty(2 * C + 1, dtype=torch.float64, device=device)
+            elif name == "elemt":
+                like = torch.empty(C, dtype=torch.float64, device=device), torch.empty(C, dtype=acc, device=device)
+            else:
+                grad = acc if weight is None else weight.dtype
+                like = torch.empty(2, C, dtype=acc, device=device), torch.empty(C, dtype=grad, device=device)
+            self.like[name] = like
+        return like
 
     def batch_norm_stats(self, x, *, mask=None):
         if mask is not None:
@@ -52,7 +75,10 @@ class Prepared:
         launch = self.stats
         if launch is None:
             launch = self.stats = statistics.find(x)
-        return statistics.run(launch, x)
+        like = self.like.get("stats")
+        if like is None:
+            like = self._like("stats", x)
+        return statistics.run(launch, x, None, like)
 
     def batch_norm_elemt(self, x, weight, bias, *, stats=None, running_mean=None, running_var=None,
                          num_batches_tracked=None, momentum=0.1, eps=1e-5, residual=None, activation=None,
@@ -72,7 +98,10 @@ class Prepared:
         if launch is None:
             launch = self.elemt[mode] = elemt.find(*args, momentum, eps, residual, activation, negative_slope,
                                                    save_stats, own=True)  # fmt: skip
-        return elemt.run(launch, *args, residual, save_stats)
+        like = self.like.get("elemt")
+        if like is None:
+            like = self._like("elemt", x)
+        return elemt.run(launch, *args, residual, save_stats, None, like)
 
     def batch_norm_backward_reduce(self, grad_out, x, mean, invstd, weight=None, *, weight_grad=True, bias_grad=True,
                                    bias=None, activation=None, negative_slope=0.01, residual=None, output=None,
@@ -92,7 +121,10 @@ class Prepared:
         if launch is None:
             launch = self.reduce[mode] = backward_reduce.find(*args, activation, negative_slope, aux, aux_kind,
                                                               own=True)  # fmt: skip
-        return backward_reduce.run(launch, *args, aux)
+        like = self.like.get("reduce")
+        if like is None:
+            like = self._like("reduce", x, weight)
+        return backward_reduce.run(launch, *args, aux, None, like)
 
     def batch_norm_backward_elemt(self, grad_out, x, mean, invstd, weight=None, sums=None, count=None, *, bias=None,
                                   activation=None, negative_slope=0.01, residual=None, output=None, input_grad=True,

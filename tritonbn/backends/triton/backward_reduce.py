@@ -328,15 +328,21 @@ def find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activa
     return launch
 
 
-def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask=None):
-    """:func:`batch_norm_backward_reduce` with its launch found (:func:`find`): ``(sums, grad_weight, grad_bias)``."""
+def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask=None, like=None):
+    """:func:`batch_norm_backward_reduce` with its launch found (:func:`find`): ``(sums, grad_weight, grad_bias)``.
+    ``like``: tensors of ``sums``' and a parameter gradient's shape, dtype and device, allocated by ``empty_like``."""
     device = x.device
-    C = x.shape[1]
-    sdtype = compute_dtype(x.dtype)
-    sums = torch.empty(2, C, dtype=sdtype, device=device)  # sizes as ints: 0.5 us cheaper than a tuple
-    gdtype = weight.dtype if weight is not None else sdtype
-    grad_weight = torch.empty(C, dtype=gdtype, device=device) if weight_grad else None
-    grad_bias = torch.empty(C, dtype=gdtype, device=device) if bias_grad else None
+    if like is None:
+        C = x.shape[1]
+        sdtype = compute_dtype(x.dtype)
+        sums = torch.empty(2, C, dtype=sdtype, device=device)  # sizes as ints: 0.5 us cheaper than a tuple
+        gdtype = weight.dtype if weight is not None else sdtype
+        grad_weight = torch.empty(C, dtype=gdtype, device=device) if weight_grad else None
+        grad_bias = torch.empty(C, dtype=gdtype, device=device) if bias_grad else None
+    else:
+        sums = torch.empty_like(like[0])
+        grad_weight = torch.empty_like(like[1]) if weight_grad else None
+        grad_bias = torch.empty_like(like[1]) if bias_grad else None
     ws = workspace(device, launch.tickets, launch.scratch)
     launch(
         grad_out,

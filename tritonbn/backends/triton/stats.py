@@ -223,11 +223,15 @@ def find(x: torch.Tensor, mask: torch.Tensor | None = None) -> Launch:
     return _launches.get(key) or cache_put(_launches, key, _launch(x, mask))
 
 
-def run(launch: Launch, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`batch_norm_stats` with its launch found (:func:`find`)."""
+def run(launch: Launch, x: torch.Tensor, mask: torch.Tensor | None = None, like=None) -> torch.Tensor:
+    """:func:`batch_norm_stats` with its launch found (:func:`find`). ``like``: a tensor of the statistics' shape,
+    dtype and device, allocated by ``torch.empty_like`` (see :mod:`~tritonbn.backends.triton._prepared`)."""
     device = x.device
     ws = workspace(device, launch.tickets, launch.scratch)
-    stats = torch.empty(2 * x.shape[1] + 1, dtype=torch.float64, device=device)
+    if like is None:
+        stats = torch.empty(2 * x.shape[1] + 1, dtype=torch.float64, device=device)
+    else:
+        stats = torch.empty_like(like)
     launch(x, ws.scratch, stats, ws.tickets, x if mask is None else mask)
     return stats
 
