@@ -54,19 +54,17 @@ class Prepared:
         self.like: dict = {}
 
     def _like(self, name: str, x, weight=None):
-        """The :attr:`like` tensors ``name`` (``"stats"``, ``"elemt"``: mean and invstd, ``"reduce"``: the sums and a
-        parameter's gradient) for the record's calls, made at the first call that needs them."""
-        like = self.like.get(name)
-        if like is None:
-            C, device, acc = x.shape[1], x.device, compute_dtype(x.dtype)
-            if name == "stats":
-                like = torch.empty(2 * C + 1, dtype=torch.float64, device=device)
-            elif name == "elemt":
-                like = torch.empty(C, dtype=torch.float64, device=device), torch.empty(C, dtype=acc, device=device)
-            else:
-                grad = acc if weight is None else weight.dtype
-                like = torch.empty(2, C, dtype=acc, device=device), torch.empty(C, dtype=grad, device=device)
-            self.like[name] = like
+        """Makes and keeps the :attr:`like` tensors ``name`` (``"stats"``, ``"elemt"``: mean and invstd,
+        ``"reduce"``: the sums and a parameter's gradient) for the record's calls, at the first call that needs them."""
+        C, device, acc = x.shape[1], x.device, compute_dtype(x.dtype)
+        if name == "stats":
+            like = torch.empty(2 * C + 1, dtype=torch.float64, device=device)
+        elif name == "elemt":
+            like = torch.empty(C, dtype=torch.float64, device=device), torch.empty(C, dtype=acc, device=device)
+        else:
+            grad = acc if weight is None else weight.dtype
+            like = torch.empty(2, C, dtype=acc, device=device), torch.empty(C, dtype=grad, device=device)
+        self.like[name] = like
         return like
 
     def batch_norm_stats(self, x, *, mask=None):
