@@ -123,8 +123,7 @@ def test_launches_follow_every_change_of_the_call(finds):
     _step(bn, oracle, x, dy)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("dtype, affine", [(torch.float32, True), (torch.bfloat16, True), (torch.float64, False)])
 def test_prepared_launchers_return_the_public_launchers_tensors(dtype, affine):
     """A layer's prepared launchers allocate their outputs like the ones they kept (``Prepared.like``): on each call,
     the second too, every output has the public launcher's shape, strides, dtype and device, and its values, bitwise
