@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # CI's exhaustive compile sweep (the tests marked compile_sweep, which the README's test command leaves out):
-# tests/helpers/aot_compile.py --quick for sm_90 and --smoke for every target, and the whole masked kernel audit
-# (--quick --masked), with the newest torch/Triton (.venv), in one Triton cache. It is CPU work with no
-# downloads, so CI runs it beside scripts/oldest.sh, whose set-up is mostly a download (docs/contributing.md,
+# tests/helpers/aot_compile.py --quick for sm_90 and --smoke for every target, the whole masked kernel audit
+# (--quick --masked), the quick kernel audit's parts and the targets' audits that the README's command leaves out,
+# and the AOTInductor package's C++ build, with the newest torch/Triton (.venv), in one Triton cache. It is CPU work
+# with no downloads, so CI runs it beside scripts/oldest.sh, whose set-up is mostly a download (docs/contributing.md,
 # "Compiling without a GPU").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 # Two workers, a test each at a time (--dist load): in CI the sweep outlasts the jobs beside it, then has both cores.
-# The masked audit (one job, one test) first, then the compiles in parts of under a minute, which keep both workers
-# busy to the end.
+# The masked audit (one job, one test) first, then the compiles in parts of under a minute, then the audit's parts
+# (a job each, 5-15 s), which keep both workers busy to the end.
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load -m compile_sweep \
-    tests/kernels/test_kernel_audit_masked.py tests/kernels/test_aot_compile.py
+    tests/kernels/test_kernel_audit_masked.py tests/kernels/test_aot_compile.py tests/kernels/test_kernel_audit.py \
+    tests/integrations/test_export.py
 echo "compile sweep: done in $((SECONDS - start)) s"
