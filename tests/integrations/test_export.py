@@ -135,6 +135,7 @@ def test_torch_export_lowers_to_aten_and_compile_keeps_the_custom_ops(strict, mo
     assert "tritonbn.batch_norm_forward" in code and "batch_norm(" not in code.replace("batch_norm_forward(", "")
 
 
+@pytest.mark.compile_sweep  # a C++ build of 20-30 s here: CI runs it (scripts/compile_sweep.sh)
 def test_aot_inductor_package_runs_on_cpu(monkeypatch, tmp_path):
     """torch.export, then AOTInductor (compile, package, load, run) on CPU: no tritonbn inside the package."""
     net, x = _trained(), _input(3)
