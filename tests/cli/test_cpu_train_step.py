@@ -101,19 +101,16 @@ def test_script_times_each_epilogue(tmp_path):
     assert "| mobilenet_timm | bf16 | channels_last | relu | 5 |" in result.stdout
 
 
-def test_script_fails_above_max_ratio(tmp_path):
-    result, out = _run(tmp_path, "--layouts", "contiguous", "--no-ddp", "--max-ratio", "0.01")
-    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
-    assert "exceeds --max-ratio 0.01" in result.stderr
-    assert "ddp_ratio" not in json.loads(out.read_text())["results"][0]
-
-
-def test_script_times_the_batchnorm_layers_alone(tmp_path):
+def test_script_times_the_batchnorm_layers_alone_and_fails_above_max_ratio(tmp_path):
+    """--bn-layers and --results; over --max-ratio the script exits 1, after writing its JSON and its table."""
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\n<!-- cpu-train-step:begin -->\nold\n<!-- cpu-train-step:end -->\n\n## After\n")
-    result, out = _run(tmp_path, "--layouts", "contiguous", "--no-ddp", "--bn-layers", "--results", str(results))
-    assert result.returncode == 0, result.stderr[-3000:]
+    result, out = _run(tmp_path, "--layouts", "contiguous", "--no-ddp", "--bn-layers", "--results", str(results),
+                       "--max-ratio", "0.01")  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "exceeds --max-ratio 0.01" in result.stderr
     (row,) = json.loads(out.read_text())["results"]
+    assert "ddp_ratio" not in row
     assert row["bn_layers"] == BN_LAYERS["mobilenet"]
     assert row["bn_plain_ms"] > 0 and row["bn_tritonbn_ms"] > 0
     assert row["bn_extra_us_per_layer"] == pytest.approx(1e3 * (row["bn_tritonbn_ms"] - row["bn_plain_ms"]) / 34)
