@@ -2,7 +2,8 @@
 # CI's exhaustive compile sweep (the tests marked compile_sweep, which the README's test command leaves out):
 # tests/helpers/aot_compile.py --quick for sm_90 and --smoke for every target, the whole masked kernel audit
 # (--quick --masked), the quick kernel audit's parts and the targets' audits that the README's command leaves out,
-# and the AOTInductor package's C++ build, with the newest torch/Triton (.venv), in one Triton cache. It is CPU work
+# and inductor's C++ builds (the AOTInductor package, a compiled checkpoint loop), with the newest torch/Triton
+# (.venv), in one Triton cache. It is CPU work
 # with no downloads, so CI runs it beside scripts/oldest.sh, whose set-up is mostly a download (docs/contributing.md,
 # "Compiling without a GPU").
 set -euo pipefail
@@ -13,5 +14,5 @@ start=$SECONDS
 # (a job each, 5-15 s), which keep both workers busy to the end.
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load -m compile_sweep \
     tests/kernels/test_kernel_audit_masked.py tests/kernels/test_aot_compile.py tests/kernels/test_kernel_audit.py \
-    tests/integrations/test_export.py
+    tests/integrations/test_export.py tests/distributed/test_checkpoint_loops.py
 echo "compile sweep: done in $((SECONDS - start)) s"
