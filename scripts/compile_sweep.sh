@@ -10,9 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 # Two workers, a test each at a time (--dist load): in CI the sweep outlasts the jobs beside it, then has both cores.
-# The masked audit (one job, one test) first, then the compiles in parts of under a minute, then the audit's parts
-# (a job each, 5-15 s), which keep both workers busy to the end.
+# Longest first: the masked audit (one job, one test), the compiles in parts of under a minute, inductor's builds,
+# then the audit's parts (a job each, 5-20 s), which keep both workers busy to the end.
 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist load -m compile_sweep \
-    tests/kernels/test_kernel_audit_masked.py tests/kernels/test_aot_compile.py tests/kernels/test_kernel_audit.py \
-    tests/integrations/test_export.py tests/distributed/test_checkpoint_loops.py
+    tests/kernels/test_kernel_audit_masked.py tests/kernels/test_aot_compile.py tests/integrations/test_export.py \
+    tests/distributed/test_checkpoint_loops.py tests/kernels/test_kernel_audit.py
 echo "compile sweep: done in $((SECONDS - start)) s"

@@ -47,11 +47,12 @@ def test_kernels_compile_for_sm90(compile_cache, dtypes):
 
 
 @pytest.mark.compile_sweep
-@pytest.mark.parametrize("archs", [("80",), ("89",), ("90",), ("100", "gfx90a", "gfx942")], ids="-".join)
+# sm_90's kernels once per plan, and its FMA check, are the README's command's (the two tests above).
+@pytest.mark.parametrize("archs", [("80",), ("89",), ("100", "gfx90a", "gfx942")], ids="-".join)
 def test_kernels_compile_for_every_target_with_fma_fusion(compile_cache, archs):
     out = _run(compile_cache, "--arch", ",".join(archs), "--smoke", "--fma-check", TRITON_DEFAULT_FP_FUSION="0")
     names = [name if name.startswith("gfx") else f"sm_{name}" for name in archs]
-    assert set(names) < set(NAMES)
+    assert set(names) < set(NAMES) - {"sm_90"}
     for name in names:
         assert f"compiled 12 kernel specializations for {name}" in out, out
         assert f"{name}: forward kernel with the launch options" in out, out
