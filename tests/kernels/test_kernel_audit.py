@@ -4,7 +4,8 @@ The audit runs in a subprocess: this test process has TRITON_INTERPRET=1 set (co
 audit compiles the kernels. nvdisasm and ptxas ship with the triton wheel, so it normally runs. The jobs
 run in one process per worker, in one Triton cache per test run (the ``kernel_audit`` fixture,
 tests/kernels/conftest.py); the quick audit in eight parts (one a case), each charged to the first test
-that reads it, as are the other targets' audits.
+that reads it, as are the other targets' audits. The README's test command runs four parts and two other targets;
+CI's compile sweep (``compile_sweep``) the rest.
 """
 
 import json
