@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI's exhaustive compile sweep (the tests marked compile_sweep, which the README's test command leaves out):
-# tests/helpers/aot_compile.py --quick for sm_90 and --smoke for every target, the whole masked kernel audit
+# tests/helpers/aot_compile.py --quick for sm_90 and --smoke for every other target, the whole masked kernel audit
 # (--quick --masked), the quick kernel audit's parts and the targets' audits that the README's command leaves out,
 # and inductor's C++ builds (the AOTInductor package, a compiled checkpoint loop), with the newest torch/Triton
 # (.venv), in one Triton cache. It is CPU work

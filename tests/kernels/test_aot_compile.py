@@ -4,7 +4,7 @@ per plan, with the launches' compile options turning FMA fusion on whatever TRIT
 
 The README's test command checks the FMA fusion on every target and each kernel once per plan for sm_90; the
 kernel audits (test_kernel_audit*.py) compile every kernel of real launches for sm_90 and the five other
-targets. The matrices (``--quick`` for sm_90, ``--smoke`` per target) are the exhaustive sweep
+targets. The matrices (``--quick`` for sm_90, ``--smoke`` per other target) are the exhaustive sweep
 (``compile_sweep``), which CI runs with scripts/compile_sweep.sh.
 """
 
