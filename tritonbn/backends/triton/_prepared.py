@@ -28,9 +28,6 @@ of the call's other tensors only (the input, the gradient, the parameters and bu
 
 from __future__ import annotations
 
-import torch
-
-from tritonbn._numerics import compute_dtype
 from tritonbn.backends.triton import _plan, backward_elemt, backward_reduce, elemt
 from tritonbn.backends.triton import stats as statistics
 from tritonbn.backends.triton.backward_reduce import aux_tensor
@@ -48,24 +45,11 @@ class Prepared:
         self.elemt: dict = {}
         self.reduce: dict = {}
         self.elemt_backward: dict = {}
-        # What the launchers allocate at each call, by name, as tensors of its shape, dtype and device: they allocate
-        # ``torch.empty_like`` of these (no sizes, dtype and device parsed; about 9 us less host time per training
-        # forward+backward, in benchmarks/host_overhead.py, than ``torch.empty(..., dtype=, device=)``).
+        # What the launchers allocate at each call (``"stats"``, ``"elemt"``: mean and invstd, ``"reduce"``: the sums
+        # and a parameter's gradient), made once by the launchers' own allocators at the first call that needs them:
+        # they allocate ``torch.empty_like`` of these (no sizes, dtype and device parsed; about 9 us less host time
+        # per training forward+backward, in benchmarks/host_overhead.py, than ``torch.empty(..., dtype=, device=)``).
         self.like: dict = {}
-
-    def _like(self, name: str, x, weight=None):
-        """Makes and keeps the :attr:`like` tensors ``name`` (``"stats"``, ``"elemt"``: mean and invstd,
-        ``"reduce"``: the sums and a parameter's gradient) for the record's calls, at the first call that needs them."""
-        C, device, acc = x.shape[1], x.device, compute_dtype(x.dtype)
-        if name == "stats":
-            like = torch.empty(2 * C + 1, dtype=torch.float64, device=device)
-        elif name == "elemt":
-            like = torch.empty(C, dtype=torch.float64, device=device), torch.empty(C, dtype=acc, device=device)
-        else:
-            grad = acc if weight is None else weight.dtype
-            like = torch.empty(2, C, dtype=acc, device=device), torch.empty(C, dtype=grad, device=device)
-        self.like[name] = like
-        return like
 
     def batch_norm_stats(self, x, *, mask=None):
         if mask is not None:
@@ -75,7 +59,7 @@ class Prepared:
             launch = self.stats = statistics.find(x)
         like = self.like.get("stats")
         if like is None:
-            like = self._like("stats", x)
+            like = self.like["stats"] = statistics.new_stats(x)
         return statistics.run(launch, x, None, like)
 
     def batch_norm_elemt(self, x, weight, bias, *, stats=None, running_mean=None, running_var=None,
@@ -98,7 +82,7 @@ class Prepared:
                                                    save_stats, own=True)  # fmt: skip
         like = self.like.get("elemt")
         if like is None:
-            like = self._like("elemt", x)
+            like = self.like["elemt"] = elemt.new_saved(x)
         return elemt.run(launch, *args, residual, save_stats, None, like)
 
     def batch_norm_backward_reduce(self, grad_out, x, mean, invstd, weight=None, *, weight_grad=True, bias_grad=True,
@@ -121,7 +105,7 @@ class Prepared:
                                                               own=True)  # fmt: skip
         like = self.like.get("reduce")
         if like is None:
-            like = self._like("reduce", x, weight)
+            like = self.like["reduce"] = backward_reduce.new_sums(x), backward_reduce.new_param_grad(x, weight)
         return backward_reduce.run(launch, *args, aux, None, like)
 
     def batch_norm_backward_elemt(self, grad_out, x, mean, invstd, weight=None, sums=None, count=None, *, bias=None,

@@ -328,22 +328,29 @@ def find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activa
     return launch
 
 
+def new_sums(x: torch.Tensor) -> torch.Tensor:
+    """The sums :func:`run` returns for ``x``: ``(2, C)`` of the compute dtype, uninitialized."""
+    return torch.empty(2, x.shape[1], dtype=compute_dtype(x.dtype), device=x.device)  # sizes as ints: 0.5 us cheaper
+
+
+def new_param_grad(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """A parameter's gradient :func:`run` returns: ``C`` of ``weight``'s dtype (the compute dtype without weight)."""
+    return torch.empty(x.shape[1], dtype=compute_dtype(x.dtype) if weight is None else weight.dtype, device=x.device)
+
+
 def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask=None, like=None):
     """:func:`batch_norm_backward_reduce` with its launch found (:func:`find`): ``(sums, grad_weight, grad_bias)``.
-    ``like``: tensors of ``sums``' and a parameter gradient's shape, dtype and device, allocated by ``empty_like``."""
-    device = x.device
+    ``like``: a :func:`new_sums` tensor and a :func:`new_param_grad` one kept for such calls, allocated again by
+    ``torch.empty_like``."""
     if like is None:
-        C = x.shape[1]
-        sdtype = compute_dtype(x.dtype)
-        sums = torch.empty(2, C, dtype=sdtype, device=device)  # sizes as ints: 0.5 us cheaper than a tuple
-        gdtype = weight.dtype if weight is not None else sdtype
-        grad_weight = torch.empty(C, dtype=gdtype, device=device) if weight_grad else None
-        grad_bias = torch.empty(C, dtype=gdtype, device=device) if bias_grad else None
+        sums = new_sums(x)
+        grad_weight = new_param_grad(x, weight) if weight_grad else None
+        grad_bias = new_param_grad(x, weight) if bias_grad else None
     else:
         sums = torch.empty_like(like[0])
         grad_weight = torch.empty_like(like[1]) if weight_grad else None
         grad_bias = torch.empty_like(like[1]) if bias_grad else None
-    ws = workspace(device, launch.tickets, launch.scratch)
+    ws = workspace(x.device, launch.tickets, launch.scratch)
     launch(
         grad_out,
         x,

@@ -304,19 +304,21 @@ def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked,
     return launch
 
 
+def new_saved(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, invstd)`` :func:`run` saves for ``x``: ``C`` float64 and ``C`` of the compute dtype, uninitialized."""
+    C, device = x.shape[1], x.device
+    mean = torch.empty(C, dtype=torch.float64, device=device)
+    return mean, torch.empty(C, dtype=compute_dtype(x.dtype), device=device)
+
+
 def run(launch: Launch, x, weight, bias, stats, running_mean, running_var, num_batches_tracked, residual, save_stats,
         mask=None, like=None):  # fmt: skip
-    """:func:`batch_norm_elemt` with its launch found (:func:`find`): ``(y, mean, invstd)``. ``like``: tensors of
-    ``mean``'s and ``invstd``'s shape, dtype and device, allocated by ``torch.empty_like``."""
+    """:func:`batch_norm_elemt` with its launch found (:func:`find`): ``(y, mean, invstd)``. ``like``: a
+    :func:`new_saved` pair kept for such calls, allocated again by ``torch.empty_like``."""
     device = x.device
     y = torch.empty_like(x)  # preserve_format, the default (0.2 us cheaper than passing it)
     if save_stats:
-        if like is None:
-            C = x.shape[1]
-            mean = torch.empty(C, dtype=torch.float64, device=device)
-            invstd = torch.empty(C, dtype=compute_dtype(x.dtype), device=device)
-        else:
-            mean, invstd = torch.empty_like(like[0]), torch.empty_like(like[1])
+        mean, invstd = new_saved(x) if like is None else (torch.empty_like(like[0]), torch.empty_like(like[1]))
         dummy = mean
     else:
         mean = invstd = None

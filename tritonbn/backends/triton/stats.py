@@ -223,15 +223,16 @@ def find(x: torch.Tensor, mask: torch.Tensor | None = None) -> Launch:
     return _launches.get(key) or cache_put(_launches, key, _launch(x, mask))
 
 
+def new_stats(x: torch.Tensor) -> torch.Tensor:
+    """The statistics' tensor :func:`run` returns for ``x``: ``2 C + 1`` float64, uninitialized."""
+    return torch.empty(2 * x.shape[1] + 1, dtype=torch.float64, device=x.device)
+
+
 def run(launch: Launch, x: torch.Tensor, mask: torch.Tensor | None = None, like=None) -> torch.Tensor:
-    """:func:`batch_norm_stats` with its launch found (:func:`find`). ``like``: a tensor of the statistics' shape,
-    dtype and device, allocated by ``torch.empty_like`` (see :mod:`~tritonbn.backends.triton._prepared`)."""
-    device = x.device
-    ws = workspace(device, launch.tickets, launch.scratch)
-    if like is None:
-        stats = torch.empty(2 * x.shape[1] + 1, dtype=torch.float64, device=device)
-    else:
-        stats = torch.empty_like(like)
+    """:func:`batch_norm_stats` with its launch found (:func:`find`). ``like``: a :func:`new_stats` tensor kept for
+    such calls, allocated again by ``torch.empty_like`` (see :mod:`~tritonbn.backends.triton._prepared`)."""
+    ws = workspace(x.device, launch.tickets, launch.scratch)
+    stats = new_stats(x) if like is None else torch.empty_like(like)
     launch(x, ws.scratch, stats, ws.tickets, x if mask is None else mask)
     return stats
 
