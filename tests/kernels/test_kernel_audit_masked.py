@@ -14,7 +14,7 @@ is the exhaustive sweep (``compile_sweep``, run by scripts/compile_sweep.sh in C
 import json
 
 import pytest
-from test_kernel_audit import MAX_REGISTERS
+from test_kernel_audit import _no_spills_and_at_most_128_registers
 
 CASES = ("32x256x499,bf16,contiguous",)
 
@@ -45,12 +45,6 @@ def _covers_its_cases(rows, md, quick=False):
         assert {(r["shape"], r["dtype"], r["layout"]) for r in rows} == {tuple(c.split(",")) for c in CASES}
     assert all(r["constexprs"].get("HAS_MASK") for r in rows), "every audited launch must be a masked one"
     assert "masked BatchNorm" in md and "--masked" in md
-
-
-def _no_spills_and_at_most_128_registers(rows):
-    bad = [(r["kernel"], r["shape"], r["dtype"], r["layout"], r["registers"], r["spill_bytes"]) for r in rows
-           if r["spill_bytes"] or r["registers"] > MAX_REGISTERS]  # fmt: skip
-    assert not bad, bad
 
 
 def _a_mask_adds_no_launch(rows):
