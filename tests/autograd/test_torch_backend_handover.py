@@ -79,8 +79,9 @@ def test_split_mean_follows_the_tensor():
 @pytest.mark.parametrize("backend_name", ["torch"], indirect=True)
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_running_stats_in_16_bit_buffers(backend_name, momentum):
-    """A module converted to bfloat16 keeps bfloat16 buffers: each step's update is computed in fp64 and
-    rounded once into them."""
+    """A module converted to bfloat16 keeps bfloat16 buffers, each step's update within a bfloat16 rounding of the
+    float64 one: with a momentum, torch's kernel's float32 update over float32 copies (the local path); without
+    (a cumulative average), computed in float64 and rounded once (the packed path)."""
     torch.manual_seed(2)
     bn = tritonbn.SyncBatchNorm(4, momentum=momentum).to(torch.bfloat16)
     ref = torch.nn.BatchNorm2d(4, momentum=momentum).double()

@@ -47,8 +47,12 @@ The numerical promises are the backend's (see :mod:`tritonbn.backends.torch.plai
   layer with a residual and relu or leaky_relu takes the packed path instead (:func:`_rounds_a_kink`).
 * The running statistics of the arithmetic type are updated by torch's kernel (``momentum * value +
   (1 - momentum) * r``; the variance unbiased; over ``d`` on a GPU, the mean's less ``p`` and ``p`` added back,
-  exact where the mean lies within a factor 2 of ``p``, the case that needs it); others (float32 buffers of a
-  float64 layer, 16-bit buffers) in float64, rounded once. ``num_batches_tracked`` grows by one. Under
+  exact where the mean lies within a factor 2 of ``p``, the case that needs it). 16-bit buffers of a 16-bit input
+  (a model converted with ``.to(torch.bfloat16)``): by the same kernel over float32 copies of them, copied back,
+  so in float32 arithmetic rounded to 16 bits, as ``nn.BatchNorm2d``'s 16-bit kernel computes its update: within
+  one 16-bit rounding of the float64 update (float64 arithmetic took two more ops a buffer, 15-20% of a small
+  layer's training step). Others (float32 buffers of a float64 layer, 16-bit buffers of a float32 input) in
+  float64, rounded once. ``num_batches_tracked`` grows by one. Under
   ``accumulate_stats`` the packed sums ``[n mean | n (var + mean^2) | n]`` are added to the layer's sink
   instead, in float64.
 """
@@ -148,7 +152,9 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     acc = compute_dtype(x.dtype)
     w, b = _as(weight, acc), _as(bias, acc)
     own = running_mean is not None and running_mean.dtype == acc  # buffers torch's kernels update themselves
-    momentum = float(layer.momentum) if own else 1.0
+    # 16-bit buffers of a 16-bit input: the kernel updates float32 copies of them, copied back (see the docstring)
+    copied = not own and running_mean is not None and x.dtype != acc and running_mean.dtype == x.dtype
+    momentum = float(layer.momentum) if own or copied else 1.0
     if x.dtype == acc and x.device.type != "cpu":  # a GPU tensor: no host read of the statistics, always shifted
         p = _first(x.detach())
         # without buffers of the arithmetic type: momentum 1 over zeros leaves the mean and the unbiased variance
@@ -162,8 +168,16 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     else:  # torch's training kernel over x itself, as nn.BatchNorm's (16-bit x: its mixed-type form, float32
         # statistics), updating buffers of the arithmetic type; others: momentum 1 over zeros leaves the mean and
         # the unbiased variance
-        rm, rv = (running_mean, running_var) if own else (x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc))
+        if own:
+            rm, rv = running_mean, running_var
+        elif copied:
+            rm, rv = running_mean.to(acc), running_var.to(acc)
+        else:
+            rm, rv = x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc)
         y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
+        if copied:  # rounded into the 16-bit buffers
+            running_mean.copy_(rm)
+            running_var.copy_(rv)
         if x.dtype == acc and _needs_shift(mean, invstd):  # far from zero: again, over the shifted copy (see the
             # module docstring)
             first_mean, first_invstd = mean.detach(), invstd.detach()
@@ -177,7 +191,7 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
                 running_mean.add_(mean - first_mean.double(), alpha=momentum)
                 running_var.add_(var_change, alpha=momentum)
         else:  # float64; a by_autograd call with its buffers updated reads it nowhere
-            mean = None if by_autograd and own else mean.detach().double()
+            mean = None if by_autograd and (own or copied) else mean.detach().double()
         if not by_autograd:
             y = _in_layout_of(y, x)
     unbiased = rv
@@ -186,7 +200,7 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
         stats_sink[C : 2 * C].add_(torch.addcmul(unbiased.double() * ((n - 1) / n), mean, mean), alpha=n)
         stats_sink[2 * C :].add_(n)
     elif running_mean is not None:
-        if not own:
+        if not (own or copied):
             _update_running(running_mean, running_var, mean, unbiased, float(layer.momentum))
         if num_batches_tracked is not None:
             num_batches_tracked.add_(1)
