@@ -62,7 +62,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tritonbn._compat import foreach_add_, foreach_sub
+from tritonbn._compat import foreach_add_, foreach_copy_, foreach_sub
 from tritonbn._numerics import compute_dtype
 from tritonbn.activations import output_gives_grad
 from tritonbn.backends.torch.steps import (
@@ -176,8 +176,7 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
             rm, rv = x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc)
         y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
         if copied:  # rounded into the 16-bit buffers
-            running_mean.copy_(rm)
-            running_var.copy_(rv)
+            foreach_copy_((running_mean, running_var), (rm, rv))
         if x.dtype == acc and _needs_shift(mean, invstd):  # far from zero: again, over the shifted copy (see the
             # module docstring)
             first_mean, first_invstd = mean.detach(), invstd.detach()
