@@ -327,7 +327,7 @@ def disassemble(cubin: bytes, source_file: str | None = None) -> tuple[list[Insn
         path = f.name
     try:
         text = subprocess.run(
-            [_tool("nvdisasm"), "-c", "-gi", "-hex", path], check=True, capture_output=True, text=True
+            [_tool("nvdisasm"), "-c", "-gi", "-hex", "-ndf", path], check=True, capture_output=True, text=True
         ).stdout
     finally:
         os.unlink(path)
@@ -335,6 +335,8 @@ def disassemble(cubin: bytes, source_file: str | None = None) -> tuple[list[Insn
     labels: dict[str, int] = {}
     pending_labels: list[str] = []
     line = None
+    source = None if source_file is None else os.path.realpath(source_file)
+    in_source: dict[str, bool] = {}  # each file named by the line table, resolved once (not once a line)
     lines = text.splitlines()
     i = 0
     while i < len(lines):
@@ -343,9 +345,11 @@ def disassemble(cubin: bytes, source_file: str | None = None) -> tuple[list[Insn
         if raw.lstrip().startswith("//##"):
             locs = _LINE.findall(raw)
             line = None
-            if locs and source_file is not None:
+            if locs and source is not None:
                 f, n = locs[-1]  # the outermost inlined-at location is in the kernel's own body
-                line = int(n) if os.path.realpath(f) == os.path.realpath(source_file) else None
+                if f not in in_source:
+                    in_source[f] = os.path.realpath(f) == source
+                line = int(n) if in_source[f] else None
             continue
         m = _LABEL.match(raw.strip())
         if m:
