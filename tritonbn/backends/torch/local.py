@@ -50,7 +50,7 @@ The numerical promises are the backend's (see :mod:`tritonbn.backends.torch.plai
   exact where the mean lies within a factor 2 of ``p``, the case that needs it). 16-bit buffers of a 16-bit input
   (a model converted with ``.to(torch.bfloat16)``): by the same kernel over float32 copies of them, copied back,
   so in float32 arithmetic rounded to 16 bits, as ``nn.BatchNorm2d``'s 16-bit kernel computes its update: within
-  one 16-bit rounding of the float64 update (float64 arithmetic took two more ops a buffer, 15-20% of a small
+  one 16-bit rounding of the float64 update, in three small ops where that update took six (15-20% of a small
   layer's training step). Others (float32 buffers of a float64 layer, 16-bit buffers of a float32 input) in
   float64, rounded once. ``num_batches_tracked`` grows by one. Under
   ``accumulate_stats`` the packed sums ``[n mean | n (var + mean^2) | n]`` are added to the layer's sink
