@@ -52,7 +52,8 @@ def environ_reader(key: str):
 foreach_sub = torch._foreach_sub
 foreach_add_ = torch._foreach_add_
 # The float32 copies of 16-bit running buffers, copied back into them in one call (the same file): 2 µs less than two
-# Tensor.copy_ calls on a small layer. torch._foreach_copy_, read in torch 2.8 and 2.13.
+# Tensor.copy_ calls on a small layer. torch._foreach_copy_ (since torch 2.1, pytorch#107226; read in torch 2.13): lists
+# of two dtypes take its per-tensor path, each a Tensor.copy_ that rounds into the destination's dtype.
 foreach_copy_ = torch._foreach_copy_
 
 
