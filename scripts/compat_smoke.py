@@ -9,7 +9,8 @@ float64 copy that keeps ``nn.BatchNorm2d``; outputs, gradients, the updated para
 statistics must agree. Columns:
 
 * ``import``: ``import tritonbn`` and the versions;
-* ``torch``: the PyTorch backend (``TRITONBN_BACKEND=torch``);
+* ``torch``: the PyTorch backend (``TRITONBN_BACKEND=torch``), and a layer converted to bfloat16 trained one step
+  (16-bit parameters and buffers: torch's mixed-type kernel over float32 copies, ``torch._foreach_copy_`` back);
 * ``interpreter``: the Triton kernels under the interpreter (``TRITON_INTERPRET=1``, ``TRITONBN_BACKEND=triton``);
 * ``aot``: every kernel compiled for sm_90 without a GPU (``tests/helpers/aot_compile.py --quick``, or with
   ``--aot smoke`` each kernel once per plan: the oldest pair's smoke in CI, whose sweep compiles the rest);
@@ -102,6 +103,29 @@ def train_and_eval(compile_backend=None) -> None:
         _close("eval output", run(x), reference(x))
 
 
+def bf16_layer_step() -> None:
+    """A layer converted with ``.to(torch.bfloat16)``: one training step against ``nn.BatchNorm2d`` in float64 over the
+    same bf16 values, to bf16's rounding (the output, the input and parameter gradients, the running statistics)."""
+    import torch
+
+    import tritonbn
+
+    torch.manual_seed(1)
+    layer, reference = tritonbn.SyncBatchNorm(4).to(torch.bfloat16), torch.nn.BatchNorm2d(4).double()
+    x = (torch.randn(5, 4, 3, 7) * 3 + 2).to(torch.bfloat16)
+    dy = torch.randn(5, 4, 3, 7).to(torch.bfloat16)
+    xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
+    outs = [net(inp) for net, inp in zip((layer, reference), xs, strict=True)]
+    for out in outs:
+        out.backward(dy.to(out.dtype))
+    _close("bf16 output", outs[0], outs[1], tol=2e-2)
+    _close("bf16 input gradient", xs[0].grad, xs[1].grad, tol=5e-2)
+    _close("bf16 weight gradient", layer.weight.grad, reference.weight.grad, tol=5e-2)
+    _close("bf16 running mean", layer.running_mean, reference.running_mean, tol=8e-3)
+    _close("bf16 running var", layer.running_var, reference.running_var, tol=8e-3)
+    assert layer.running_mean.dtype == layer.weight.grad.dtype == torch.bfloat16
+
+
 def _target_name(target) -> str:
     """An FX node's target by name: ``tritonbn.batch_norm_forward`` (an op), ``torch.nn.functional.batch_norm``."""
     if type(target).__module__ == "torch._ops" or not hasattr(target, "__name__"):  # ops and higher-order ops
@@ -190,6 +214,8 @@ def run_column(name: str) -> None:
         print(f"torch {torch.__version__}, triton {triton.__version__}, tritonbn {tritonbn.__version__}")
     elif name in ("torch", "interpreter"):
         train_and_eval()
+        if name == "torch":
+            bf16_layer_step()
         import tritonbn
 
         x = __import__("torch").zeros(2, 3, 1, 1)
