@@ -85,9 +85,10 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _update_running(running_mean, running_var, mean64, unbiased, momentum) -> None:
-    """``r + momentum * (value - r)`` in float64, rounded once into each buffer (buffers torch's kernels cannot
-    update: another dtype than the arithmetic one). Both buffers in one call of each op (``value - r`` is float64:
-    ``mean64`` and ``unbiased`` are; the in-place add computes in float64 and rounds once into the buffer)."""
+    """``r + momentum * (value - r)`` in float64, rounded once into each buffer (buffers of another dtype than the
+    arithmetic one, but for 16-bit buffers of a 16-bit input, which :func:`_forward` has the kernel update). Both
+    buffers in one call of each op (``value - r`` is float64: ``mean64`` and ``unbiased`` are; the in-place add
+    computes in float64 and rounds once into the buffer)."""
     buffers = [running_mean, running_var]
     foreach_add_(buffers, foreach_sub([mean64, unbiased.double()], buffers), alpha=momentum)
 
@@ -166,8 +167,8 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
         # reads it nowhere
         mean = None if by_autograd and own else torch.add(mean_d.detach().double(), p)
     else:  # torch's training kernel over x itself, as nn.BatchNorm's (16-bit x: its mixed-type form, float32
-        # statistics), updating buffers of the arithmetic type; others: momentum 1 over zeros leaves the mean and
-        # the unbiased variance
+        # statistics), updating buffers of the arithmetic type, or float32 copies of 16-bit buffers of a 16-bit x;
+        # others: momentum 1 over zeros leaves the mean and the unbiased variance
         if own:
             rm, rv = running_mean, running_var
         elif copied:
