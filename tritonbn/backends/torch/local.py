@@ -172,7 +172,7 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
         if own:
             rm, rv = running_mean, running_var
         elif copied:
-            rm, rv = running_mean.to(acc), running_var.to(acc)
+            rm, rv = _to(running_mean, acc), _to(running_var, acc)
         else:
             rm, rv = x.new_zeros(C, dtype=acc), x.new_zeros(C, dtype=acc)
         y, mean, invstd = torch.native_batch_norm(x, w, b, rm, rv, True, momentum, layer.eps)
