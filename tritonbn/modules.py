@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritonbn._core.call import LayerSettings, Operands, settings_for
 from tritonbn._core.checks import check_inputs, check_momentum, mask_from_lengths
-from tritonbn._core.dispatch import evaluated_again, run
+from tritonbn._core.dispatch import evaluated_again, run, trained_again
 from tritonbn._core.lowering import script_error
 from tritonbn._norm_layers import (
     PLAIN,
@@ -193,6 +193,12 @@ class SyncBatchNorm(_BatchNorm):
         # Inside tritonbn.accumulate_stats: where this call's global sums go instead of the running stats.
         accumulator = self._tritonbn_accumulator
         sink = accumulator(input) if accumulator is not None and self.training else None
+        if settings.training and mask is None and sink is None:
+            # a training call like the layer's last one, synchronizing with nobody: straight to the local path
+            y = trained_again(settings, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
+                              self.num_features)  # fmt: skip
+            if y is not None:
+                return y
         operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink)
         return run(settings, operands, self.num_features)
 

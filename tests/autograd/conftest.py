@@ -2,6 +2,7 @@
 
 import pytest
 
+from tritonbn import modules
 from tritonbn.backends.torch import local
 
 
@@ -27,3 +28,18 @@ def calls(monkeypatch, form):
     monkeypatch.setattr(local, "recorded", recorded)
     monkeypatch.setenv("TRITONBN_BACKEND", "torch")
     return seen
+
+
+@pytest.fixture
+def dispatched(monkeypatch) -> list:
+    """Each call of the whole dispatch (``tritonbn._core.dispatch.run``) that the module makes, appended to a list
+    (its input): a call that the module's straight paths (``evaluated_again``, ``trained_again``) take is not."""
+    calls = []
+    original = modules.run
+
+    def count(*args, **kwargs):
+        calls.append(args[1].input)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "run", count)
+    return calls

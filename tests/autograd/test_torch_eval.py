@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from meta_tensor import Meta
 
 import tritonbn
-from tritonbn import modules
 from tritonbn.backends.torch import local
 
 
@@ -141,24 +140,11 @@ def test_declines_where_the_packed_path_takes_the_call(evals):
     assert evals == {"taken": 1, "declined": 3}
 
 
-def _dispatched(monkeypatch) -> list:
-    """Each call of the whole dispatch (``tritonbn._core.dispatch.run``) that the module makes, appended to a list."""
-    calls = []
-    original = modules.run
-
-    def count(*args, **kwargs):
-        calls.append(args[1].input)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(modules, "run", count)
-    return calls
-
-
 @pytest.mark.parametrize("grad", ["inference_mode", "no_grad"])
-def test_a_repeated_eval_call_skips_the_dispatch(evals, monkeypatch, grad):
+def test_a_repeated_eval_call_skips_the_dispatch(evals, dispatched, monkeypatch, grad):
     """An eval call without autograd like the layer's last checked one (``dispatch.evaluated_again``) runs the one
     native pass straight, with ``F.batch_norm``'s float64 values; any other call takes the whole dispatch."""
-    calls = _dispatched(monkeypatch)
+    calls = dispatched
     bn = _layer(6, torch.float64)
     x = torch.randn(4, 6, 5, 3, dtype=torch.float64) * 3 + 2
     with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
@@ -225,11 +211,11 @@ def _compiled_targets(bn, x) -> list[str]:
 
 
 @pytest.mark.parametrize("how", ["jit.trace", "make_fx", "compile", "subclass", "vmap", "forward_ad", "grad_mode"])
-def test_a_repeated_eval_call_still_traces_as_the_first(evals, monkeypatch, how):
+def test_a_repeated_eval_call_still_traces_as_the_first(evals, dispatched, monkeypatch, how):
     """After an eager eval call, a call like it under a tracer, a dispatch mode, a ``torch.func`` transform or
     forward-mode AD, with a ``__torch_function__`` subclass or with autograd records what a fresh layer's call does:
     the straight path never takes it."""
-    calls = _dispatched(monkeypatch)
+    calls = dispatched
     fresh, bn = _layer(4), _layer(4)
     x = torch.randn(3, 4, 5)
     with torch.no_grad():

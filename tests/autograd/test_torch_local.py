@@ -183,3 +183,73 @@ def test_empty_input_takes_the_packed_path(calls, form):
     assert y.shape == (0, 3, 5, 5) and torch.equal(bn.weight.grad, torch.zeros(3))
     assert calls == {"autograd": 0, "forward": 0, "declined": 1 + int(form == "autograd"), "backward": 0}
     assert bn.num_batches_tracked.item() == 0 and torch.equal(bn.running_mean, torch.zeros(3))  # no batch seen
+
+
+def _assert_step_is_the_oracles(bn, oracle, x, **kwargs):
+    """One training step of ``bn`` (float64), its output, gradients and buffers ``F.batch_norm``'s, to the bit."""
+    dy = torch.randn_like(x)
+    xg = x.clone().requires_grad_()
+    bn.zero_grad()
+    y = bn(xg, **kwargs)
+    y.backward(dy)
+    for got, want in zip((y, xg.grad, bn.weight.grad, bn.bias.grad), oracle.step(x, dy), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(bn.running_mean, oracle.running_mean) and torch.equal(bn.running_var, oracle.running_var)
+    assert bn.num_batches_tracked.item() == oracle.num_batches_tracked
+
+
+def test_a_repeated_training_call_skips_the_dispatch(dispatched, monkeypatch):
+    """A training call under autograd like the layer's last checked one (``dispatch.trained_again``) takes the local
+    path straight, with ``F.batch_norm``'s float64 output, gradients and running statistics, to the bit; any other
+    call takes the whole dispatch: a residual, no autograd, another layout, the Triton kernels, a checkpoint's
+    recompute inside backward (which leaves the buffers alone), forward-mode AD."""
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    torch.manual_seed(5)
+    bn = tritonbn.SyncBatchNorm(6).double()
+    oracle = Oracle(6, weight=bn.weight, bias=bn.bias)
+    x = torch.randn(4, 6, 5, 3, dtype=torch.float64) * 3 + 2
+    for _ in range(3):
+        _assert_step_is_the_oracles(bn, oracle, x)
+    assert len(dispatched) == 1  # the second call found that the local path takes the third
+    bn(x.clone().requires_grad_(), torch.randn_like(x))  # a residual: checked again, the record its own
+    oracle.step(x, None)
+    assert len(dispatched) == 2
+    _assert_step_is_the_oracles(bn, oracle, x)
+    _assert_step_is_the_oracles(bn, oracle, x)
+    assert len(dispatched) == 3
+    with torch.no_grad():  # nothing recorded: local.forward, through the dispatch
+        bn(x)
+    oracle.step(x, None)
+    _assert_step_is_the_oracles(bn, oracle, x)
+    assert len(dispatched) == 4
+    xt = x.transpose(2, 3)  # strides torch's kernels do not keep: the Function, each time
+    for _ in range(2):
+        bn(xt.clone().requires_grad_()).sum().backward()
+        oracle.step(xt, None)
+    assert len(dispatched) == 6
+    _assert_step_is_the_oracles(bn, oracle, x)
+    _assert_step_is_the_oracles(bn, oracle, x)
+    assert len(dispatched) == 7
+    monkeypatch.setenv("TRITONBN_BACKEND", "auto")  # under the interpreter: the kernels, each time
+    for _ in range(2):
+        bn(x.clone().requires_grad_()).sum().backward()
+        oracle.step(x, None)
+    assert len(dispatched) == 9
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    torch.testing.assert_close(bn.running_var, oracle.running_var, rtol=1e-12, atol=0)
+    with torch.no_grad():
+        bn.running_mean.copy_(oracle.running_mean)
+        bn.running_var.copy_(oracle.running_var)
+    _assert_step_is_the_oracles(bn, oracle, x)  # the backend chosen again: the local path takes it, straight
+    assert len(dispatched) == 9
+    y = torch.utils.checkpoint.checkpoint(bn, x.clone().requires_grad_(), use_reentrant=False)
+    y.sum().backward()  # the forward straight; its recompute inside backward through the dispatch
+    oracle.step(x, None)
+    assert len(dispatched) == 10 and bn.num_batches_tracked.item() == oracle.num_batches_tracked
+    assert torch.equal(bn.running_mean, oracle.running_mean) and torch.equal(bn.running_var, oracle.running_var)
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function, with its jvp
+        bn(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+    oracle.step(x, None)
+    assert len(dispatched) == 11
+    _assert_step_is_the_oracles(bn, oracle, x)
+    assert len(dispatched) == 11

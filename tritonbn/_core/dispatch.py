@@ -11,7 +11,8 @@ A call is checked (:mod:`tritonbn._core.checks`, and with ``TRITONBN_DEBUG=1`` t
 * eager, with autograd: :class:`tritonbn._core.eager.EagerBatchNormFunction`, straight over the launchers (on the
   PyTorch backend, a layer that synchronizes with nobody, and every eval call without a mask, runs torch's own ops
   instead, which autograd records itself: :func:`tritonbn.backends.torch.local.recorded` and
-  :func:`~tritonbn.backends.torch.local.recorded_eval`);
+  :func:`~tritonbn.backends.torch.local.recorded_eval`); the module's training call that repeats its last checked
+  one goes to the local path without :func:`run` (:func:`trained_again`);
 * without autograd (inference, or nothing needs a gradient): :func:`~tritonbn._core.passes.forward_pass` alone;
   the module's eval call that repeats its last checked one goes there without :func:`run`
   (:func:`evaluated_again`).
@@ -138,6 +139,35 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
 
 
 EVALUATED = "evaluated"  # a checked record's entry: an eval call like it takes the backend's one native pass
+TRAINED = "trained"  # and a training call like it, under autograd: the backend's local path, recorded by autograd
+
+
+def _repeats(record, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features):
+    """Whether an eager call repeats the checked one of ``record`` (:func:`~tritonbn._core.checks.check_eager_call`),
+    as :func:`run` would find it: the same parameter and buffer tensors (of the same shapes, dtypes and devices), an
+    input and residual of the same shapes, strides, dtypes and devices, and nothing that takes another path there:
+    a tensor subclass, a tracer (``jit.trace``), a ``torch.func`` transform or dispatch mode, forward-mode AD. The
+    caller has checked ``torch.compiler.is_compiling()`` and the signature check across ranks."""
+    if type(input) is not torch.Tensor or jit_tracing() or functorch_transforms_active() or dispatch_stack_len():
+        return False
+    if forward_ad_active():
+        return False
+    w0, b0, rm0, rv0, nbt0 = record[1]
+    if not (w0 is weight and b0 is bias and rm0 is running_mean and rv0 is running_var and nbt0 is num_batches_tracked):
+        return False
+    return record[0] == call_meta(
+        input, residual, weight, bias, running_mean, running_var, num_batches_tracked, num_features
+    )
+
+
+_UNKNOWN = object()  # nothing kept yet for calls like a record's
+
+
+def _kept(kept: dict, key: str):
+    """What the backend runs for calls like a record's (``kept[key]``, for the current ``TRITONBN_BACKEND``): a
+    function, ``None`` (the backend has no such path, or it declined such a call), or ``_UNKNOWN``."""
+    straight = kept.get(key)
+    return straight[1] if straight is not None and straight[0] == backend_variable() else _UNKNOWN
 
 
 def evaluated_again(settings: LayerSettings, input, weight, bias, running_mean, running_var, num_features=None):
@@ -150,41 +180,71 @@ def evaluated_again(settings: LayerSettings, input, weight, bias, running_mean, 
     ``torch.func`` transform, dispatch mode or forward-mode AD, a plain tensor), grad mode off, no signature to
     compare across ranks, and the record of ``settings``' last call that passed the checks
     (:func:`~tritonbn._core.checks.check_eager_call`) has this input's shape, strides, dtype and device, no
-    residual, and the very same parameter and buffer tensors, with the same shapes, dtypes and devices. Over torch's
-    eval kernel itself, a call then costs 2 µs of host time instead of 3.7 called alone, and 7-8 instead of 10-11 with
-    the caches evicted between calls, as in a network (docs/performance.md); the Triton backend, which has no native
-    eval pass, returns ``None``.
+    residual, and the very same parameter and buffer tensors, with the same shapes, dtypes and devices
+    (:func:`_repeats`). Over torch's eval kernel itself, a call then costs 2 µs of host time instead of 3.7 called
+    alone, and 7-8 instead of 10-11 with the caches evicted between calls, as in a network (docs/performance.md);
+    the Triton backend, which has no native eval pass, returns ``None``.
     """
     record = settings.checked
     if record is None or torch.compiler.is_compiling():  # first: dynamo traces nothing below
         return None
     # (TRITONBN_BACKEND as it was, what its eval pass runs for calls like the record's: None where it declined them)
     kept = record[2]
-    straight = kept.get(EVALUATED)
-    known = straight is not None and straight[0] == backend_variable()
-    if known and straight[1] is None:  # the Triton backend, or a layout torch's eval kernel does not keep
+    straight = _kept(kept, EVALUATED)
+    if straight is None:  # the Triton backend, or a layout torch's eval kernel does not keep
         return None
-    if (
-        type(input) is not torch.Tensor
-        or torch.is_grad_enabled()
-        or jit_tracing()
-        or functorch_transforms_active()
-        or dispatch_stack_len()
-        or forward_ad_active()
-        or (settings.debug_group is not None and debug_enabled())
-    ):
+    if torch.is_grad_enabled() or (settings.debug_group is not None and debug_enabled()):
         return None
-    w0, b0, rm0, rv0, nbt0 = record[1]
-    if not (w0 is weight and b0 is bias and rm0 is running_mean and rv0 is running_var and nbt0 is None):
+    if not _repeats(record, input, weight, bias, running_mean, running_var, None, None, num_features):
         return None
-    if record[0] != call_meta(input, None, weight, bias, running_mean, running_var, None, num_features):
-        return None
-    if known:
-        return straight[1](settings, input, weight, bias, running_mean, running_var)
+    if straight is not _UNKNOWN:
+        return straight(settings, input, weight, bias, running_mean, running_var)
     local = ops_for(input).local
     y = None if local is None else local.evaluated(settings, input, weight, bias, running_mean, running_var, None)
     # it takes or declines every call like this one (by its layout and types): the next goes straight there, or on
     kept[EVALUATED] = (backend_variable(), None if y is None else local.evaluated_natively)
+    return y
+
+
+def trained_again(settings: LayerSettings, input, weight, bias, running_mean, running_var, num_batches_tracked,
+                  residual=None, num_features=None):  # fmt: skip
+    """The output of a training call under autograd that repeats the layer's last checked call and synchronizes with
+    nobody, or ``None``: take :func:`run`. The module's step before :func:`run` for a training call without mask or
+    ``accumulate_stats`` sink.
+
+    What :func:`run` would do with such a call, on the path it takes for it (checked, eager, the PyTorch backend's
+    local path recorded by autograd itself, :func:`tritonbn.backends.torch.local.recorded`), when all of these hold:
+    no process group, an eager call (as for :func:`evaluated_again`), grad mode on and a tensor that requires grad,
+    not inside backward (a checkpoint's recompute leaves the buffers alone), no signature to compare across ranks,
+    and the record of ``settings``' last checked call matches (:func:`_repeats`, the residual's shape, strides, dtype
+    and device included). Whether the local path takes a call depends on nothing else (the settings, the input's
+    shape and layout, the dtypes), so a call it declined is remembered, and calls like it go to :func:`run` at once;
+    so does every call on the Triton backend, which has no local path. Its host path is then about a module call's,
+    as ``nn.BatchNorm2d``'s (docs/performance.md, "CPU eval and one layer").
+    """
+    if settings.group is not None or torch.compiler.is_compiling():  # dynamo traces nothing below
+        return None
+    record = settings.checked
+    if record is None:
+        return None
+    kept = record[2]
+    straight = _kept(kept, TRAINED)
+    if straight is None:  # the Triton backend, or a call the local path does not take
+        return None
+    if not torch.is_grad_enabled() or in_backward() or (settings.debug_group is not None and debug_enabled()):
+        return None
+    if not (input.requires_grad or params_need_grad(weight, bias, residual)):
+        return None
+    if not _repeats(record, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
+                    num_features):  # fmt: skip
+        return None
+    held = (settings, input, weight, bias, running_mean, running_var, num_batches_tracked, None, residual)
+    if straight is not _UNKNOWN:
+        return straight(*held)
+    local = ops_for(input).local
+    y = None if local is None else local.recorded(*held)
+    # it takes or declines every call like this one: the next goes straight there, or to run
+    kept[TRAINED] = (backend_variable(), None if y is None else local.recorded)
     return y
 
 
