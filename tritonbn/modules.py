@@ -194,7 +194,7 @@ class SyncBatchNorm(_BatchNorm):
         accumulator = self._tritonbn_accumulator
         sink = accumulator(input) if accumulator is not None and self.training else None
         if settings.training and mask is None and sink is None:
-            # a training call like the layer's last one, synchronizing with nobody: straight to the local path
+            # a training call like the layer's last one, under autograd: straight to the eager path run would take
             y = trained_again(settings, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
                               self.num_features)  # fmt: skip
             if y is not None:

@@ -1,7 +1,8 @@
 """The eager path (an autograd Function straight over the launchers) against the custom ops that torch.compile traces.
 
 Both paths call the same ``forward_pass`` / ``backward_pass`` over the same launchers, so they must
-agree bitwise: outputs, every gradient, the running statistics and ``num_batches_tracked``.
+agree bitwise: outputs, every gradient, the running statistics and ``num_batches_tracked``. A training call that
+repeats the layer's last one goes to the same eager path without the dispatch (``dispatch.trained_again``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import copy
 import pytest
 import torch
 from compilers import NO_CXX
+from oracle import Oracle
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonbn
 from tritonbn._core import dispatch
+from tritonbn.backends.torch import local
 
 
 class Net(nn.Module):
@@ -142,3 +145,86 @@ def test_no_grad_call_matches_the_graph_path(backend_name):
         assert torch.equal(ya, yb)
         for ba, bb in zip(a.buffers(), b.buffers(), strict=True):
             assert torch.equal(ba, bb)
+
+
+def _step_against(bn, oracle, x, exact=True):
+    """One training step of the float64 layer ``bn``: its output, gradients and buffers ``F.batch_norm``'s, to the bit
+    (``exact``), or within 1e-10."""
+    dy = torch.randn_like(x)
+    xg = x.clone().requires_grad_()
+    bn.zero_grad()
+    y = bn(xg)
+    y.backward(dy)
+    got = (y, xg.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var)
+    want = (*oracle.step(x, dy), oracle.running_mean, oracle.running_var)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-10, atol=1e-10)
+    assert bn.num_batches_tracked.item() == oracle.num_batches_tracked
+
+
+def test_a_repeated_training_call_skips_the_dispatch(dispatched, monkeypatch):
+    """A training call under autograd like the layer's last checked one (``dispatch.trained_again``) goes straight to
+    the eager path the dispatch takes for it, found once per record: the PyTorch backend's local path (the float64
+    output, gradients and buffers of ``F.batch_norm``, to the bit), the eager Function where the local path declines
+    the layout, and the kernels. A residual (another record), no autograd, a checkpoint's recompute inside backward
+    (which leaves the buffers alone) and forward-mode AD go through the dispatch."""
+    paths = {"local": 0, "function": 0}
+
+    def counting(key, function):
+        def count(*args):
+            y = function(*args)
+            paths[key] += y is not None
+            return y
+
+        return count
+
+    monkeypatch.setattr(local, "recorded", counting("local", local.recorded))
+    monkeypatch.setattr(dispatch, "apply_eager", counting("function", dispatch.apply_eager))
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+
+    def expect(run, local_path, function):
+        assert (len(dispatched), paths["local"], paths["function"]) == (run, local_path, function)
+
+    torch.manual_seed(5)
+    bn = tritonbn.SyncBatchNorm(6).double()
+    oracle = Oracle(6, weight=bn.weight, bias=bn.bias)
+    x = torch.randn(4, 6, 5, 3, dtype=torch.float64) * 3 + 2
+    for _ in range(3):
+        _step_against(bn, oracle, x)
+    expect(1, 3, 0)  # the second call found that the local path takes the third
+    bn(x.clone().requires_grad_(), torch.randn_like(x))  # a residual: checked again, a record of its own
+    oracle.step(x, None)
+    for _ in range(3):
+        _step_against(bn, oracle, x)
+    expect(3, 7, 0)
+    with torch.no_grad():  # nothing recorded: local.forward, through the dispatch
+        bn(x)
+    oracle.step(x, None)
+    _step_against(bn, oracle, x)
+    expect(4, 8, 0)
+    xt = x.transpose(2, 3)  # strides torch's kernels do not keep: the Function
+    for _ in range(3):
+        _step_against(bn, oracle, xt, exact=False)
+    expect(5, 8, 3)
+    monkeypatch.setenv("TRITONBN_BACKEND", "auto")  # under the interpreter: the kernels, in the Function
+    for _ in range(3):
+        _step_against(bn, oracle, xt, exact=False)
+    expect(5, 8, 6)
+    assert "triton" in bn._tritonbn_settings.checked[2]  # the kernels' launches, prepared for the record
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    with torch.no_grad():
+        bn.running_mean.copy_(oracle.running_mean)
+        bn.running_var.copy_(oracle.running_var)
+    _step_against(bn, oracle, x)
+    _step_against(bn, oracle, x)
+    expect(6, 10, 6)
+    y = torch.utils.checkpoint.checkpoint(bn, x.clone().requires_grad_(), use_reentrant=False)
+    y.sum().backward()  # the forward straight; its recompute inside backward through the dispatch
+    oracle.step(x, None)
+    assert len(dispatched) == 7 and bn.num_batches_tracked.item() == oracle.num_batches_tracked
+    assert torch.equal(bn.running_mean, oracle.running_mean) and torch.equal(bn.running_var, oracle.running_var)
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function, through the dispatch
+        bn(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+    oracle.step(x, None)
+    _step_against(bn, oracle, x)
+    assert len(dispatched) == 8

@@ -12,7 +12,7 @@ A call is checked (:mod:`tritonbn._core.checks`, and with ``TRITONBN_DEBUG=1`` t
   PyTorch backend, a layer that synchronizes with nobody, and every eval call without a mask, runs torch's own ops
   instead, which autograd records itself: :func:`tritonbn.backends.torch.local.recorded` and
   :func:`~tritonbn.backends.torch.local.recorded_eval`); the module's training call that repeats its last checked
-  one goes to the local path without :func:`run` (:func:`trained_again`);
+  one goes there without :func:`run` (:func:`trained_again`);
 * without autograd (inference, or nothing needs a gradient): :func:`~tritonbn._core.passes.forward_pass` alone;
   the module's eval call that repeats its last checked one goes there without :func:`run`
   (:func:`evaluated_again`).
@@ -139,7 +139,7 @@ def run(settings: LayerSettings, operands, num_features: int | None = None) -> t
 
 
 EVALUATED = "evaluated"  # a checked record's entry: an eval call like it takes the backend's one native pass
-TRAINED = "trained"  # and a training call like it, under autograd: the backend's local path, recorded by autograd
+TRAINED = "trained"  # and a training call like it, under autograd: the eager path run takes for it
 
 
 def _repeats(record, input, weight, bias, running_mean, running_var, num_batches_tracked, residual, num_features):
@@ -148,9 +148,7 @@ def _repeats(record, input, weight, bias, running_mean, running_var, num_batches
     input and residual of the same shapes, strides, dtypes and devices, and nothing that takes another path there:
     a tensor subclass, a tracer (``jit.trace``), a ``torch.func`` transform or dispatch mode, forward-mode AD. The
     caller has checked ``torch.compiler.is_compiling()`` and the signature check across ranks."""
-    if type(input) is not torch.Tensor or jit_tracing() or functorch_transforms_active() or dispatch_stack_len():
-        return False
-    if forward_ad_active():
+    if not is_eager(input) or jit_tracing() or forward_ad_active():
         return False
     w0, b0, rm0, rv0, nbt0 = record[1]
     if not (w0 is weight and b0 is bias and rm0 is running_mean and rv0 is running_var and nbt0 is num_batches_tracked):
@@ -208,29 +206,29 @@ def evaluated_again(settings: LayerSettings, input, weight, bias, running_mean, 
 
 def trained_again(settings: LayerSettings, input, weight, bias, running_mean, running_var, num_batches_tracked,
                   residual=None, num_features=None):  # fmt: skip
-    """The output of a training call under autograd that repeats the layer's last checked call and synchronizes with
-    nobody, or ``None``: take :func:`run`. The module's step before :func:`run` for a training call without mask or
-    ``accumulate_stats`` sink.
+    """The output of a training call under autograd that repeats the layer's last checked call, or ``None``: take
+    :func:`run`. The module's step before :func:`run` for a training call without mask or ``accumulate_stats`` sink.
 
-    What :func:`run` would do with such a call, on the path it takes for it (checked, eager, the PyTorch backend's
-    local path recorded by autograd itself, :func:`tritonbn.backends.torch.local.recorded`), when all of these hold:
-    no process group, an eager call (as for :func:`evaluated_again`), grad mode on and a tensor that requires grad,
-    not inside backward (a checkpoint's recompute leaves the buffers alone), no signature to compare across ranks,
-    and the record of ``settings``' last checked call matches (:func:`_repeats`, the residual's shape, strides, dtype
-    and device included). Whether the local path takes a call depends on nothing else (the settings, the input's
-    shape and layout, the dtypes), so a call it declined is remembered, and calls like it go to :func:`run` at once;
-    so does every call on the Triton backend, which has no local path. Its host path is then about a module call's,
-    as ``nn.BatchNorm2d``'s (docs/performance.md, "CPU eval and one layer").
+    What :func:`run` would do with such a call, on the path it takes for it (checked, eager, autograd recording):
+    the PyTorch backend's local path, recorded by autograd itself (:func:`tritonbn.backends.torch.local.recorded`),
+    for a layer that synchronizes with nobody, else the eager Function over the backend's launchers, prepared for the
+    record's calls (:func:`_eager_again`). It goes there when all of these hold: an eager call (as for
+    :func:`evaluated_again`), grad mode on and a tensor that requires grad, not inside backward (a checkpoint's
+    recompute, which :func:`run` takes), no signature to compare across ranks, and the record of ``settings``' last
+    checked call matches (:func:`_repeats`, the residual's shape, strides, dtype and device included). Which path
+    takes a call depends on nothing else (the settings, the input's shape, layout and device, the dtypes, and
+    ``TRITONBN_BACKEND``, read at each call), so it is found once per record. It saves 1.1-1.5 µs of host time
+    a call: a 2x16x2x2 training forward on the PyTorch backend costs 27.7-28.2 µs against 28.9-29.5 through
+    :func:`run` in bfloat16, 22.4-23.2 against 23.3-24.7 in float32 (two runs; docs/performance.md); on the kernels'
+    eager path (``benchmarks/host_overhead.py``) no change stands out of the noise.
     """
-    if settings.group is not None or torch.compiler.is_compiling():  # dynamo traces nothing below
+    if torch.compiler.is_compiling():  # first: dynamo traces nothing below
         return None
     record = settings.checked
     if record is None:
         return None
     kept = record[2]
     straight = _kept(kept, TRAINED)
-    if straight is None:  # the Triton backend, or a call the local path does not take
-        return None
     if not torch.is_grad_enabled() or in_backward() or (settings.debug_group is not None and debug_enabled()):
         return None
     if not (input.requires_grad or params_need_grad(weight, bias, residual)):
@@ -241,11 +239,30 @@ def trained_again(settings: LayerSettings, input, weight, bias, running_mean, ru
     held = (settings, input, weight, bias, running_mean, running_var, num_batches_tracked, None, residual)
     if straight is not _UNKNOWN:
         return straight(*held)
-    local = ops_for(input).local
-    y = None if local is None else local.recorded(*held)
-    # it takes or declines every call like this one: the next goes straight there, or to run
-    kept[TRAINED] = (backend_variable(), None if y is None else local.recorded)
-    return y
+    backend = ops_for(input)
+    local = backend.local
+    if local is not None and settings.group is None:
+        y = local.recorded(*held)
+        if y is not None:  # it takes every call like this one
+            kept[TRAINED] = (backend_variable(), local.recorded)
+            return y
+    again = _eager_again(backend, kept)
+    kept[TRAINED] = (backend_variable(), again)
+    return again(*held)
+
+
+def _eager_again(backend, kept: dict):
+    """The eager Function over ``backend``'s launchers, prepared for the calls of the record that keeps ``kept`` (as
+    :func:`run` prepares them at each call: launches found again after the plan caches are cleared), called as
+    :func:`trained_again` calls the local path."""
+    prepare = backend.prepare
+
+    def again(settings, input, weight, bias, running_mean, running_var, num_batches_tracked, sink, residual):
+        operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, None, sink)
+        launchers = backend if prepare is None else prepare(kept)
+        return apply_eager(input, weight, bias, residual, launchers, settings, operands)
+
+    return again
 
 
 def _check(settings: LayerSettings, t: Operands, num_features, compiling: bool, how: str | None):
