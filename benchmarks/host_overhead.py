@@ -13,7 +13,9 @@ alone, on CPU tensors, without a GPU:
   run, interleaved block by block, and the medians over the blocks are compared: ``ratio`` is
   ``tritonbn_us / reference_us``.
 * Stages, each timed in isolation in the same interleaved rounds and reported as differences:
-  checks (``check_inputs`` and ``check_activation``), dispatch (module call, group, backend choice:
+  checks (what a call like the layer's last one pays: the comparison with its record,
+  ``dispatch._repeats``; a call of a new shape runs ``check_inputs`` and ``check_activation`` instead, reported
+  alone as ``first_call_checks_us``), dispatch (module call, settings, the repeated call's lane to the eager path:
   module total minus the autograd Function and the checks), autograd (``Function.apply`` and the
   engine's backward call: the Function total minus the passes), pass logic (``forward_pass`` /
   ``backward_pass`` minus the launchers), launch preparation (the launchers' Python: plan,
@@ -325,9 +327,12 @@ def layer_cases():
         launch_reduce()
         launch_backward_elemt()
 
-    def checks():
+    def first_call_checks():
         check_inputs(call.Operands(x, w, b, rm, rv, nbt), 0.1, 1e-5, True, C)
         check_activation(None, 0.01)
+
+    def checks():  # the layer's record, made by its first call (the warm-up's)
+        dispatch._repeats(bn._tritonbn_settings.checked, x, w, b, rm, rv, nbt, None, C)
 
     def plan_call():
         plan(x.shape, x)
@@ -376,6 +381,7 @@ def layer_cases():
         "passes": (passes, stub),
         "launchers": (launchers, stub),
         "checks": (checks, stub),
+        "first_call_checks": (first_call_checks, stub),
         "empty_function": (empty_function, stub),
         "tritonbn_bound": (module, bind),
         "custom_ops": (module, custom_op_path),
@@ -548,6 +554,7 @@ def main(argv=None) -> int:
         "launches_per_training_pass": launches,
         "stages_us": stages,
         "autograd_floor_us": autograd_floor,
+        "first_call_checks_us": m["first_call_checks"],
         "launch_us": (m["tritonbn_with_launch"] - m["tritonbn"]) / launches,
         "tritonbn_with_launch_us": m["tritonbn_with_launch"],
         "ratio_with_launch": ratio_with_launch,
@@ -614,7 +621,8 @@ def results_section(r: dict, no_resnet: bool) -> str:
     return (
         f"Written by `python benchmarks/host_overhead.py{' --no-resnet' if no_resnet else ''} --results ...`; "
         f"load average {load} at the end.\n\n{cases}\n\nStages of the stubbed training forward+backward, µs: "
-        f"{stages} (an empty Python autograd Function: {r['autograd_floor_us']:.1f}). Per launch: "
+        f"{stages} (an empty Python autograd Function: {r['autograd_floor_us']:.1f}; a new shape's checks instead "
+        f"of the record's: {r['first_call_checks_us']:.1f}). Per launch: "
         f"{r['launch_us']:.1f} µs on tritonbn's direct path, {r['binding_us_per_launch']:.1f} through Triton's "
         "`JITFunction.run`.\n"
     )
