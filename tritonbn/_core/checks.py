@@ -174,15 +174,23 @@ def check_eager_call(settings, operands, num_features: int | None = None) -> tup
         return check_call(settings, t, num_features)
     x, r = t.input, t.residual
     held = w, b, rm, rv, nbt = t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked
-    meta = call_meta(x, r, w, b, rm, rv, nbt, num_features)
     last = settings.checked
-    if last is not None and last[0] == meta:
-        w0, b0, rm0, rv0, nbt0 = last[1]
-        if w0 is w and b0 is b and rm0 is rm and rv0 is rv and nbt0 is nbt:
-            return last
+    if last is not None and matches(last, x, r, w, b, rm, rv, nbt, num_features):
+        return last
     check_call(settings, t, num_features)
-    record = settings.checked = (meta, held, {})
+    record = settings.checked = (call_meta(x, r, w, b, rm, rv, nbt, num_features), held, {})
     return record
+
+
+def matches(record: tuple, x, r, w, b, rm, rv, nbt, num_features) -> bool:
+    """Whether a call repeats the one :func:`check_eager_call` recorded in ``record``: the very same parameter and
+    buffer tensors, and the same :func:`call_meta` (the input's and residual's shapes, strides, dtypes and devices,
+    the parameters' and buffers' shapes, dtypes and devices)."""
+    w0, b0, rm0, rv0, nbt0 = record[1]
+    return (
+        w0 is w and b0 is b and rm0 is rm and rv0 is rv and nbt0 is nbt
+        and record[0] == call_meta(x, r, w, b, rm, rv, nbt, num_features)
+    )  # fmt: skip
 
 
 def call_meta(x, r, w, b, rm, rv, nbt, num_features) -> tuple:

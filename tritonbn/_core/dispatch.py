@@ -34,7 +34,7 @@ from tritonbn._compat import (
     torch_function_subclass,
 )
 from tritonbn._core.call import LayerSettings, Operands, in_backward, synchronizes_with_nobody
-from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, call_meta, check_call, check_eager_call, check_traced_call
+from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY, check_call, check_eager_call, check_traced_call, matches
 from tritonbn._core.custom_ops import SyncBatchNormFunction, SyncBatchNormFunctionForwardAD
 from tritonbn._core.eager import apply_eager
 from tritonbn._core.lowering import exporter, lowered, under_transform
@@ -150,12 +150,7 @@ def _repeats(record, input, weight, bias, running_mean, running_var, num_batches
     caller has checked ``torch.compiler.is_compiling()`` and the signature check across ranks."""
     if not is_eager(input) or jit_tracing() or forward_ad_active():
         return False
-    w0, b0, rm0, rv0, nbt0 = record[1]
-    if not (w0 is weight and b0 is bias and rm0 is running_mean and rv0 is running_var and nbt0 is num_batches_tracked):
-        return False
-    return record[0] == call_meta(
-        input, residual, weight, bias, running_mean, running_var, num_batches_tracked, num_features
-    )
+    return matches(record, input, residual, weight, bias, running_mean, running_var, num_batches_tracked, num_features)
 
 
 _UNKNOWN = object()  # nothing kept yet for calls like a record's
