@@ -14,12 +14,7 @@ modules would (``benchmarks/cpu_train_step.py`` times both), in one of two forms
   with the ops autograd records for the activation, from the output where the forward kept it, or else from
   ``z`` made again by the same kernel over the same input (:func:`_grad_z`): both forms agree bitwise.
 
-In eval with running statistics nothing synchronizes either: :func:`evaluated` is then torch's own eval kernel over
-the input, one native pass as ``nn.BatchNorm2d``'s, its epilogue in place (the passes call it for every eval call
-without a mask that autograd does not record, and for the eager Function and the custom ops). An eager eval call
-that autograd records runs :func:`recorded_eval` instead, the same kernel recorded by autograd itself, so that its
-backward is torch's own nodes; the Function and the custom ops' backward (:func:`evaluated_backward`) make the same
-native calls over the running statistics saved at forward (:func:`running_stats`), so all three agree bitwise.
+In eval with running statistics nothing synchronizes either: :mod:`.local_eval` (imported here) holds that path.
 
 ``layer`` is the layer's settings: its ``momentum`` and ``eps`` are read. The caller passes no running
 statistics for a forward that must not update them (an activation-checkpointing recompute).
@@ -60,15 +55,24 @@ The numerical promises are the backend's (see :mod:`tritonbn.backends.torch.plai
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tritonbn._compat import foreach_add_, foreach_copy_, foreach_sub
 from tritonbn._numerics import compute_dtype
 from tritonbn.activations import output_gives_grad
+from tritonbn.backends.torch.local_eval import (  # noqa: F401 (the eval half of the local path)
+    evaluate,
+    evaluated,
+    evaluated_backward,
+    evaluated_natively,
+    evaluates_natively,
+    recorded_eval,
+    running_stats,
+    takes_recorded_eval,
+)
 from tritonbn.backends.torch.steps import (
     _act_backward,
-    _activate_,
-    _constants_for,
+    _as,
+    _epilogue,
     _first,
     _in_layout_of,
     _native_layout,
@@ -78,10 +82,6 @@ from tritonbn.backends.torch.steps import (
 )
 
 _aten = torch.ops.aten
-
-
-def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else _to(t, dtype)
 
 
 def _update_running(running_mean, running_var, mean64, unbiased, momentum) -> None:
@@ -207,176 +207,21 @@ def _forward(layer, x, weight, bias, running_mean, running_var, num_batches_trac
     return y, mean, invstd
 
 
-def _epilogue(layer, y, residual, by_autograd):
-    """``act(y + residual)`` over the local path's fresh output ``y``, in place: torch's own ops, each one native
-    pass. Where autograd records them (``by_autograd``), leaky_relu with a negative slope and silu run out of
-    place, as autograd needs their input ``z`` for backward (torch's in-place silu would save a copy of it)."""
-    if residual is not None:
-        y = y.add_(residual)  # native_batch_norm's backward does not read its output: autograd allows this
-    activation, slope = layer.activation, layer.negative_slope
-    if by_autograd and (activation == "silu" or (activation == "leaky_relu" and slope < 0)):
-        return F.silu(y) if activation == "silu" else F.leaky_relu(y, slope)
-    return _activate_(y, activation, slope)
+def takes_recorded(layer, x, running_mean, stats_sink, residual) -> bool:
+    """Whether :func:`recorded` takes an eager training call: the local path applies (:func:`applies`) and the layout
+    is one torch's kernels keep (the Function takes the others)."""
+    return applies(layer, x, running_mean, stats_sink, residual) and _native_layout(x)
 
 
-def recorded(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, residual=None):
-    """``y`` of an eager training call whose ops autograd records (see the module docstring), or ``None`` where
-    the local path does not apply or the layout is not one torch's kernels keep (the Function takes those)."""
-    if not (applies(layer, x, running_mean, stats_sink, residual) and _native_layout(x)):
-        return None
-    y = _forward(layer, x, weight, bias, running_mean, running_var, num_batches_tracked, stats_sink, True)[0]
-    return _epilogue(layer, y, residual, True)
-
-
-def _eval_types(x: torch.Tensor, weight, bias, running_mean, running_var) -> bool:
-    """Whether torch's eval kernel takes these dtypes as they are: the parameters and buffers all of ``x``'s type, or
-    all float32 beside a 16-bit ``x`` (its mixed-type form)."""
-    dtype = running_mean.dtype
-    if dtype != x.dtype and not (dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
-        return False
-    return (
-        running_var.dtype == dtype
-        and (weight is None or weight.dtype == dtype)
-        and (bias is None or bias.dtype == dtype)
-    )
-
-
-def evaluated(layer, x, weight, bias, running_mean, running_var, residual, save_stats=False):
-    """``y`` of an eval call with running statistics, or with ``save_stats`` ``(y, mean, invstd, stats)`` (what a
-    backward reads), or ``None`` where the packed path takes the call: an empty input, a layout torch's kernels do
-    not keep, or parameters of mixed types.
-
-    ``y`` is torch's own eval kernel over ``x`` itself, one native pass, as ``nn.BatchNorm2d``'s: ``y = x * alpha
-    + beta`` with ``alpha = w * invstd(running_var)`` and ``beta = b - running_mean * alpha``, in float32 for
-    float32 and 16-bit inputs and in float64 for float64 ones (there ``y`` is ``F.batch_norm``'s, to the bit); the
-    epilogue follows in place (:func:`_epilogue`): for a 16-bit input without a residual, on the 16-bit output,
-    the very values of ``nn.BatchNorm2d`` followed by the activation module (as the training local path does). A
-    16-bit input with a residual takes the same kernel over a float32 copy, adds the residual and activates in
-    float32, and rounds once at the end, as the kernels and the export lowering do (so no 16-bit rounding of the
-    batch norm's output moves a kink of ``z``: :func:`_rounds_a_kink` is a training matter). What a backward reads
-    is the packed path's (``mean`` the running mean in float64, ``invstd`` from the running variance), so the
-    eager Function and the custom ops that ``torch.compile`` traces run this same function and agree bitwise.
-
-    Precision: no shifted copy of ``x`` is made (only the statistics need one). ``x * alpha`` and ``beta`` are each
-    rounded once at the size of ``|x| * |alpha|``, so ``y`` is within a few ulp of ``|x| * |alpha|``: at ``|mean| /
-    std = K`` about ``K`` ulp of ``y``, the same size as the rounding that ``x`` itself carries there (a float32
-    ``x`` near ``K`` standard deviations from 0 is stored to ``K`` ulp of a standard deviation). The float64 test
-    holds it to that bound at ``K = 1e3`` (``tests/autograd/test_torch_eval.py``).
-    """
-    if not ((x.is_contiguous() or _native_layout(x)) and x.numel()):  # is_contiguous first: the common case, cheap
-        return None
-    if not _eval_types(x, weight, bias, running_mean, running_var):
-        return None
-    if residual is None or x.dtype == compute_dtype(x.dtype):
-        y = evaluated_natively(layer, x, weight, bias, running_mean, running_var, residual)
-        if not save_stats:
-            return y
-    else:  # a 16-bit residual: the sum in float32, rounded once at the end (as the kernels and the export lowering)
-        acc = torch.float32
-        z = x.to(acc)
-        w, b, rm, rv = _as(weight, acc), _as(bias, acc), _as(running_mean, acc), _as(running_var, acc)
-        e1, e2 = _constants_for(x.shape[1], acc, x.device)[2:]
-        torch.native_batch_norm(z, w, b, rm, rv, False, 0.0, layer.eps, out=(z, e1, e2))  # in place, as _train_
-        if residual is not None:  # a 16-bit residual in float32 first: torch's mixed-type add_ is the slower pass
-            z.add_(_to(residual, acc))
-        y = _epilogue(layer, z, None, False).to(x.dtype)
-        if not save_stats:
-            return y
-    mean = running_mean.to(torch.float64, copy=True)  # an output of its own, never the running buffer
-    invstd = _as((running_var.double() + layer.eps).rsqrt_(), compute_dtype(x.dtype))  # as the packed path's
-    return y, mean, invstd, running_stats(running_mean, running_var)
-
-
-def evaluated_natively(layer, x, weight, bias, running_mean, running_var, residual=None):
-    """:func:`evaluated`'s ``y`` where it takes the call in one native pass (a layout torch's kernels keep, types its
-    eval kernel takes, and no 16-bit residual, as :func:`evaluated` has found for a call like this one): torch's eval
-    kernel over ``x``, then the epilogue in place."""
-    y = torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, layer.eps)[0]
-    if residual is not None or layer.activation is not None:
-        y = _epilogue(layer, y, residual, False)
-    return y
-
-
-def running_stats(running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
-    """``[running_mean | running_var | 0]`` in float64, the packed statistics' shape: what an eval call's backward
-    reads (:func:`evaluated_backward`), the buffers as they were at forward (a later training call updates them in
-    place), exact in float64 for every buffer type."""
-    C = running_mean.shape[0]
-    stats = running_mean.new_zeros(2 * C + 1, dtype=torch.float64)
-    stats[:C].copy_(running_mean)
-    stats[C : 2 * C].copy_(running_var)
-    return stats
-
-
-def _eval_recordable(x, weight, bias, running_mean, running_var, residual) -> bool:
-    """Whether :func:`recorded_eval` takes an eval call: a non-empty input in a layout torch's kernels keep, the
-    types torch's eval kernel takes as they are, buffers of the type :func:`evaluated_backward` gives them back
-    (``weight``'s, or the arithmetic type), and no 16-bit residual (that sum is made in float32 and rounded once,
-    and its act'(z) read from a 16-bit output: the Function takes it)."""
-    acc = compute_dtype(x.dtype)
-    return (
-        (residual is None or x.dtype == acc)
-        and running_mean.dtype == (acc if weight is None else weight.dtype)
-        and _eval_types(x, weight, bias, running_mean, running_var)
-        and x.numel() > 0
-        and _native_layout(x)
-    )
-
-
-def recorded_eval(layer, x, weight, bias, running_mean, running_var, residual=None):
-    """``y`` of an eager eval call whose ops autograd records, or ``None`` where the Function takes the call.
-
-    torch's own eval kernel over ``x`` (as :func:`evaluated`, the same values), on copies of the running statistics
-    (autograd's node reads them in backward, after a training call may have updated the buffers), then the epilogue
-    (:func:`_epilogue`): the backward is torch's own nodes, as ``nn.BatchNorm2d``'s, and the custom ops' backward
-    (:func:`evaluated_backward`) makes the same calls over the same numbers, so that eager and compiled calls agree
-    bitwise."""
-    if not _eval_recordable(x, weight, bias, running_mean, running_var, residual):
-        return None
-    rm, rv = running_mean.clone(), running_var.clone()
-    y = torch.native_batch_norm(x, weight, bias, rm, rv, False, 0.0, layer.eps)[0]
-    if residual is None and layer.activation is None:
-        return y
-    return _epilogue(layer, y, residual, True)
-
-
-def _backward_types(x, weight) -> bool:
-    """Whether torch's eval backward takes ``x`` and ``weight`` as they are (``weight`` of ``x``'s type, or float32
-    beside a 16-bit ``x``)."""
-    return weight is None or weight.dtype == x.dtype or weight.dtype == compute_dtype(x.dtype)
-
-
-def evaluated_backward(layer, grad_out, x, weight, bias, stats, residual, output, needs):
-    """``(dx, dweight, dbias, dresidual)`` of an eval call, as autograd computes them over :func:`recorded_eval`'s
-    ops: ``dz = dy * act'(z)`` (from the output where its sign gives it, else from ``z`` made again by the same eval
-    kernel), then ``aten.native_batch_norm_backward`` in eval mode over the running statistics the forward saved in
-    ``stats`` (:func:`running_stats`), of ``weight``'s type (or the arithmetic type). ``None`` where the launchers'
-    eval backward takes it: an empty input, a layout torch's kernels do not keep, parameters of other types, and a
-    16-bit input whose act'(z) was read beside a residual (see :func:`_eval_recordable`)."""
-    acc = compute_dtype(x.dtype)
-    if not (x.numel() and _native_layout(x) and _backward_types(x, weight)):
-        return None
-    if x.dtype != acc and (residual is not None or output is not None):
-        return None
-    input_grad, weight_grad, bias_grad, residual_grad = needs
-    C = x.shape[1]
-    dtype = weight.dtype if weight is not None else acc
-    rm, rv = _to(stats[:C], dtype), _to(stats[C : 2 * C], dtype)
-    activation, slope = layer.activation, layer.negative_slope
-    dz = grad_out
-    if activation is not None and output is not None and output_gives_grad(activation, slope):
-        dz = _act_backward(grad_out, output, activation, slope, True)
-    elif activation is not None:
-        z = torch.native_batch_norm(x, weight, bias, rm, rv, False, 0.0, layer.eps)[0]
-        if residual is not None:
-            z.add_(residual)
-        dz = _act_backward(grad_out, z, activation, slope, False)  # act'(z) from z's sign: as from y's, same bits
-    dr = (dz.clone() if dz is grad_out else dz) if residual_grad else None  # an op's outputs may not alias its inputs
-    mask = [input_grad, weight_grad, bias_grad]
-    if not any(mask):
-        return None, None, None, dr
-    dx, dw, db = _aten.native_batch_norm_backward(dz, x, weight, rm, rv, None, None, False, layer.eps, mask)
-    return (dx if input_grad else None), (dw if weight_grad else None), (db if bias_grad else None), dr
+def recorded(layer, call, update=True):
+    """``y`` of an eager training call whose ops autograd records (see the module docstring), one that
+    :func:`takes_recorded`. ``call``: its tensors (``input``, ``weight``, ``bias``, ``running_mean``, ``running_var``,
+    ``num_batches_tracked``, ``residual``, ``sink``); ``update=False`` leaves the running statistics alone (a
+    checkpoint's recompute)."""
+    t = call
+    rm, rv, nbt = (t.running_mean, t.running_var, t.num_batches_tracked) if update else (None, None, None)
+    y = _forward(layer, t.input, t.weight, t.bias, rm, rv, nbt, t.sink, True)[0]
+    return _epilogue(layer, y, t.residual, True)
 
 
 def forward(

@@ -140,9 +140,18 @@ def batch_norm_backward_elemt(
     """See :func:`tritonbn.kernels.batch_norm_backward_elemt`: both gradients are 0 at padded positions."""
     dy, xz, rz, oz = _take_zeroed(grad_out, x, mask, residual, output)
     dx = _base.batch_norm_backward_elemt(
-        dy, xz, mean, invstd, weight, sums, count, residual=rz, output=oz, out_grad_residual=out_grad_residual,
+        dy,
+        xz,
+        mean,
+        invstd,
+        weight,
+        sums,
+        count,
+        residual=rz,
+        output=oz,
+        out_grad_residual=out_grad_residual,
         **kwargs,
-    )  # fmt: skip
+    )
     if out_grad_residual is not None:
         _zero_padded(out_grad_residual, mask)
     return None if dx is None else _zero_padded(dx, mask)

@@ -7,6 +7,7 @@ Its module docstring says which native op each step uses and why it is exact eno
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tritonbn.activations import check_output_gives_grad
 
@@ -170,3 +171,19 @@ def _in_layout_of(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y`` (a native kernel's output for ``x``) in ``x``'s layout: the native kernels keep contiguous and
     channels_last, and give other layouts (permuted, sliced) back contiguous."""
     return y if y.stride() == x.stride() else torch.empty_like(x).copy_(y)
+
+
+def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else _to(t, dtype)
+
+
+def _epilogue(layer, y, residual, by_autograd):
+    """``act(y + residual)`` over the local path's fresh output ``y``, in place: torch's own ops, each one native
+    pass. Where autograd records them (``by_autograd``), leaky_relu with a negative slope and silu run out of
+    place, as autograd needs their input ``z`` for backward (torch's in-place silu would save a copy of it)."""
+    if residual is not None:
+        y = y.add_(residual)  # native_batch_norm's backward does not read its output: autograd allows this
+    activation, slope = layer.activation, layer.negative_slope
+    if by_autograd and (activation == "silu" or (activation == "leaky_relu" and slope < 0)):
+        return F.silu(y) if activation == "silu" else F.leaky_relu(y, slope)
+    return _activate_(y, activation, slope)

@@ -37,8 +37,9 @@ def channel_view(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     The statistics kernel counts real positions in int32: a rank's ``N * S`` must stay below 2**31.
     """
     if x.numel() // max(1, x.shape[1]) > INT32_MAX:
-        raise ValueError(f"tritonbn: a mask covers at most 2**31 - 1 positions (N * S) per rank, got input shape "
-                         f"{tuple(x.shape)}")  # fmt: skip
+        raise ValueError(
+            f"tritonbn: a mask covers at most 2**31 - 1 positions (N * S) per rank, got input shape {tuple(x.shape)}"
+        )
     return mask.view(torch.uint8).unsqueeze(1).expand(x.shape)
 
 
@@ -364,3 +365,9 @@ def grad_z(dy, xc, scale, bias, aux, slope, ACTIVATION: tl.constexpr, AUX: tl.co
                 z += aux
         dy = activation_grad(dy, z, slope, ACTIVATION)
     return dy
+
+
+def dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A ``(C,)`` parameter or buffer as the kernels read it, one element after the other: ``t`` itself, or a
+    contiguous copy of a strided one (a ``.data`` set to a slice by hand), or ``None``."""
+    return t if t is None or t.is_contiguous() else t.contiguous()

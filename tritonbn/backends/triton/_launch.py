@@ -99,8 +99,16 @@ MAX_REGISTERS = 128
 # The same for one AMD CDNA2/CDNA3 compute unit (gfx90a MI250X, gfx942 MI300X; AMD's CDNA3 ISA guide), an
 # assumption until a ROCm GPU is run: 4 SIMDs, each with 512 VGPRs per lane, given out in units of 8, and at
 # most 8 wavefronts of 64 lanes (a wavefront's registers come from one SIMD); 64 KiB of LDS per CU.
-CDNA = {"regs": 4 * 512 * 64, "reg_unit": 8 * 64, "warps": 32, "smem": 64 * 1024, "smem_per_block": 0, "blocks": 32,
-        "warp_size": 64, "simds": 4}  # fmt: skip
+CDNA = {
+    "regs": 4 * 512 * 64,
+    "reg_unit": 8 * 64,
+    "warps": 32,
+    "smem": 64 * 1024,
+    "smem_per_block": 0,
+    "blocks": 32,
+    "warp_size": 64,
+    "simds": 4,
+}
 
 
 def resident_limits(registers: int, num_warps: int, shared: int, sm: dict = SM90) -> dict[str, int]:
@@ -184,9 +192,18 @@ class Launch:
     __slots__ = ("fn", "grid", "scalars", "options", "args_after", "compiled", "tickets", "scratch", "refit", "checked")
 
     def __init__(
-        self, fn, grid: tuple[int, int], tail: tuple, constexprs: dict, num_warps: int, pointers: int,
-        tickets: int = 0, scratch: int = 0, refit=None, checked: tuple[int, ...] | None = None,
-    ):  # fmt: skip
+        self,
+        fn,
+        grid: tuple[int, int],
+        tail: tuple,
+        constexprs: dict,
+        num_warps: int,
+        pointers: int,
+        tickets: int = 0,
+        scratch: int = 0,
+        refit=None,
+        checked: tuple[int, ...] | None = None,
+    ):
         self.fn = fn
         # ``checked``: the positions of the pointers whose alignment the launch reads (None: all). The launcher
         # leaves out those it allocates itself at every call (torch.empty, the workspace: the allocator aligns
@@ -289,8 +306,18 @@ class Launch:
             found = self.compiled.get(key)
             if found is not None and not (fn.pre_run_hooks or hooks_set()):
                 run, function, metadata, _ = found
-                run(*self.grid, 1, active.get_current_stream(device), function, metadata, None, None, None,
-                    *pointers, *self.args_after)  # fmt: skip
+                run(
+                    *self.grid,
+                    1,
+                    active.get_current_stream(device),
+                    function,
+                    metadata,
+                    None,
+                    None,
+                    None,
+                    *pointers,
+                    *self.args_after,
+                )
                 return
             if self.refit is not None:
                 self._fit(pointers, device_sm(device))

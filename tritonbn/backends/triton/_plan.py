@@ -222,8 +222,14 @@ def clear_caches() -> None:
         cache.clear()
 
 
-def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale: int = 1, per_sm: int | None = None,
-         merges: bool = False, mask: torch.Tensor | None = None) -> Plan:  # fmt: skip
+def plan(
+    shape: torch.Size | tuple[int, ...],
+    *tensors: torch.Tensor,
+    tile_scale: int = 1,
+    per_sm: int | None = None,
+    merges: bool = False,
+    mask: torch.Tensor | None = None,
+) -> Plan:
     """Fold the reduction space of ``shape`` jointly for ``tensors`` and choose blocks and grid.
 
     All ``tensors`` have the logical ``shape`` ``(N, C, *S)``; they may have different strides.
@@ -251,8 +257,15 @@ def plan(shape: torch.Size | tuple[int, ...], *tensors: torch.Tensor, tile_scale
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(shape: tuple[int, ...], all_strides: tuple[tuple[int, ...], ...], kind: tuple, tile_scale: int = 1,
-                 per_sm: int | None = None, merges: bool = False, masked: bool = False) -> Plan:  # fmt: skip
+def _plan_cached(
+    shape: tuple[int, ...],
+    all_strides: tuple[tuple[int, ...], ...],
+    kind: tuple,
+    tile_scale: int = 1,
+    per_sm: int | None = None,
+    merges: bool = False,
+    masked: bool = False,
+) -> Plan:
     C = shape[1]
     # Reduction dims: N then the spatial dims, as (size, [stride per tensor]).
     dims = [(shape[0], [st[0] for st in all_strides])]

@@ -19,6 +19,7 @@ from tritonbn.backends.triton._common import (
     acc_dtypes,
     channel_block,
     channel_view,
+    dense,
     grad_z,
     lane_channels,
     per_lane,
@@ -257,27 +258,39 @@ def batch_norm_backward_elemt(
     return run(launch, *args, aux, input_grad, out_grad_residual, mask)
 
 
-def find(grad_out, x, mean, invstd, weight, bias, sums, count, activation, negative_slope, aux, aux_kind, input_grad,
-         dr, mask=None, own=False) -> Launch:  # fmt: skip
+def find(
+    grad_out,
+    x,
+    mean,
+    invstd,
+    weight,
+    bias,
+    sums,
+    count,
+    activation,
+    negative_slope,
+    aux,
+    aux_kind,
+    input_grad,
+    dr,
+    mask=None,
+    own=False,
+) -> Launch:
     """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
     from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
     the calls of one layer like the last one). ``own``: ``mean``, ``invstd``, an ``output``, ``sums``, ``count`` and
     ``out_grad_residual`` are the passes' own (``count`` a view of their ``stats`` at a multiple of 16 bytes), whose
     alignment the launch need not read."""
-    key = (
-        x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
-        None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-        None if sums is None else (sums.dtype, count.dtype), activation, negative_slope,
-        None if aux is None else (aux_kind, aux.stride(), aux.dtype), input_grad,
-        None if dr is None else (dr.stride(), dr.dtype), own,
-    )  # fmt: skip
+    key = (x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype, own)
+    key += (None if weight is None else weight.dtype, None if bias is None else bias.dtype, activation, input_grad)
+    key += (None if sums is None else (sums.dtype, count.dtype), negative_slope, None if dr is None else dr.stride())
+    key += (None if dr is None else dr.dtype, None if aux is None else (aux_kind, aux.stride(), aux.dtype))
     if mask is not None:
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
-        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, sums is not None, activation,
-                                                   negative_slope, aux, aux_kind, input_grad, dr, mask,
-                                                   own=own))  # fmt: skip
+        flags = (sums is not None, activation, negative_slope, aux_kind, input_grad)
+        launch = cache_put(_launches, key, _launch((grad_out, x, weight, bias, aux, dr, mask), flags, own=own))
     return launch
 
 
@@ -285,6 +298,7 @@ def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, sums, count, au
     """:func:`batch_norm_backward_elemt` with its launch found (:func:`find`): ``dx``, or ``None``."""
     training = sums is not None
     dx = torch.empty_like(x) if input_grad else None  # preserve_format, the default
+    weight, bias = dense(weight), dense(bias)
     launch(
         grad_out,
         x,
@@ -305,12 +319,14 @@ def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, sums, count, au
 _launches = launch_cache()
 
 
-def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux, aux_kind, input_grad, dr, mask=None,
-            per_sm=None, own=False) -> Launch:  # fmt: skip
-    """The launch of the backward elementwise kernel on arguments like these (see the key in the launcher)."""
+def _launch(tensors: tuple, flags: tuple, per_sm=None, own=False) -> Launch:
+    """The launch of the backward elementwise kernel on arguments like these (see the key in :func:`find`):
+    ``tensors`` ``(grad_out, x, weight, bias, aux, dr, mask)``, ``flags`` ``(training, activation, negative_slope,
+    aux_kind, input_grad)``."""
+    grad_out, x, weight, bias, aux, dr, mask = tensors
+    training, activation, negative_slope, aux_kind, input_grad = flags
     dx = empty_like_layout(x) if input_grad else None
-    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)), per_sm=per_sm,
-                  mask=mask)  # fmt: skip
+    layout = plan(x.shape, grad_out, x, *(t if t is not None else x for t in (aux, dx, dr)), per_sm=per_sm, mask=mask)
     constexprs = dict(
         TRAINING=training,
         HAS_WEIGHT=weight is not None,
@@ -329,11 +345,18 @@ def _launch(grad_out, x, weight, bias, training, activation, negative_slope, aux
         HAS_MASK=mask is not None,
     )
     tail = (*layout.size_args, *layout.stride_args, float(negative_slope))
-    refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, training, activation, negative_slope,
-                                           aux, aux_kind, input_grad, dr, mask, device=x.device)  # fmt: skip
+    refit = None if per_sm else refit_with(_launch, tensors, flags, device=x.device)
     checked = _checked(weight, bias, training and not own, aux, aux_kind, dr, mask, own)
-    return Launch(_batch_norm_backward_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=12,
-                  refit=refit, checked=checked)  # fmt: skip
+    return Launch(
+        _batch_norm_backward_elemt_kernel,
+        layout.grid,
+        tail,
+        constexprs,
+        layout.num_warps,
+        pointers=12,
+        refit=refit,
+        checked=checked,
+    )
 
 
 def _checked(weight, bias, given_sums, aux, aux_kind, dr, mask, own=False) -> tuple[int, ...]:

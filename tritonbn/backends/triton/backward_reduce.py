@@ -28,6 +28,7 @@ from tritonbn.backends.triton._common import (
     acc_dtypes,
     channel_block,
     channel_view,
+    dense,
     grad_z,
     lane_channels,
     merge_tree,
@@ -302,29 +303,42 @@ def batch_norm_backward_reduce(
     if mask is not None:
         mask = channel_view(mask, x)
     aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-    launch = find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux,
-                  aux_kind, mask)  # fmt: skip
+    launch = find(
+        grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind, mask
+    )
     return run(launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask)
 
 
-def find(grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind,
-         mask=None, own=False) -> Launch:  # fmt: skip
+def find(
+    grad_out,
+    x,
+    mean,
+    invstd,
+    weight,
+    bias,
+    weight_grad,
+    bias_grad,
+    activation,
+    negative_slope,
+    aux,
+    aux_kind,
+    mask=None,
+    own=False,
+) -> Launch:
     """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
     from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
     the calls of one layer like the last one). ``own``: ``mean``, ``invstd`` and an ``output`` are the passes' own
     (allocated by :func:`~tritonbn.backends.triton.elemt.batch_norm_elemt`), whose alignment the launch need not
     read."""
-    key = (
-        x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype,
-        None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad,
-        activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype), own,
-    )  # fmt: skip
+    key = (x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype, own)
+    key += (None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad)
+    key += (activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype))
     if mask is not None:
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
-        launch = cache_put(_launches, key, _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation,
-                                                   negative_slope, aux, aux_kind, mask, own=own))  # fmt: skip
+        flags = (weight_grad, bias_grad, activation, negative_slope, aux_kind)
+        launch = cache_put(_launches, key, _launch((grad_out, x, weight, bias, aux, mask), flags, own=own))
     return launch
 
 
@@ -351,6 +365,7 @@ def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bi
         grad_weight = torch.empty_like(like[1]) if weight_grad else None
         grad_bias = torch.empty_like(like[1]) if bias_grad else None
     ws = workspace(x.device, launch.tickets, launch.scratch)
+    weight, bias = dense(weight), dense(bias)
     launch(
         grad_out,
         x,
@@ -384,9 +399,12 @@ def _unroll(x: torch.Tensor, layout) -> int:
     return 2 if layout.channels_fastest else 1
 
 
-def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind, mask=None,
-            per_sm=None, own=False) -> Launch:  # fmt: skip
-    """The launch of the backward reduction on arguments like these (see the key in the launcher)."""
+def _launch(tensors: tuple, flags: tuple, per_sm=None, own=False) -> Launch:
+    """The launch of the backward reduction on arguments like these (see the key in :func:`find`): ``tensors``
+    ``(grad_out, x, weight, bias, aux, mask)``, ``flags`` ``(weight_grad, bias_grad, activation, negative_slope,
+    aux_kind)``."""
+    grad_out, x, weight, bias, aux, mask = tensors
+    weight_grad, bias_grad, activation, negative_slope, aux_kind = flags
     layout = plan(x.shape, grad_out, x, aux if aux is not None else x, per_sm=per_sm, merges=True, mask=mask)
     R = layout.r_progs
     constexprs = dict(
@@ -408,11 +426,19 @@ def _launch(grad_out, x, weight, bias, weight_grad, bias_grad, activation, negat
         HAS_MASK=mask is not None,
     )
     tail = (*layout.size_args, R, layout.G, *layout.stride_args, float(negative_slope))
-    refit = None if per_sm else refit_with(_launch, grad_out, x, weight, bias, weight_grad, bias_grad, activation,
-                                           negative_slope, aux, aux_kind, mask, device=x.device)  # fmt: skip
-    return Launch(_batch_norm_backward_reduce_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
-                  tickets=layout.merge_tickets, scratch=layout.merge_scratch, refit=refit,
-                  checked=_checked(weight, bias, aux, mask, own and aux_kind == AUX_OUTPUT, not own))  # fmt: skip
+    refit = None if per_sm else refit_with(_launch, tensors, flags, device=x.device)
+    return Launch(
+        _batch_norm_backward_reduce_kernel,
+        layout.grid,
+        tail,
+        constexprs,
+        layout.num_warps,
+        pointers=13,
+        tickets=layout.merge_tickets,
+        scratch=layout.merge_scratch,
+        refit=refit,
+        checked=_checked(weight, bias, aux, mask, own and aux_kind == AUX_OUTPUT, not own),
+    )
 
 
 def _checked(weight, bias, aux, mask, own_aux=False, given_stats=True) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ from tritonbn.backends.triton._common import (
     channel_block,
     channel_stats,
     channel_view,
+    dense,
     lane_channels,
     per_lane,
     rounded_for,
@@ -273,8 +274,23 @@ def batch_norm_elemt(
     return run(launch, *args, residual, save_stats, mask)
 
 
-def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked, momentum, eps, residual, activation,
-         negative_slope, save_stats, mask=None, own=False) -> Launch:  # fmt: skip
+def find(
+    x,
+    weight,
+    bias,
+    stats,
+    running_mean,
+    running_var,
+    num_batches_tracked,
+    momentum,
+    eps,
+    residual,
+    activation,
+    negative_slope,
+    save_stats,
+    mask=None,
+    own=False,
+) -> Launch:
     """The launch for these arguments (``mask`` as :func:`channel_view` gives it), from the cache keyed by what it
     depends on besides the pointers' alignment (``_prepared``'s launchers keep it for the calls of one layer like the
     last one). Raises where the arguments contradict each other. ``own``: ``stats`` is the passes' own (allocated by
@@ -286,21 +302,21 @@ def find(x, weight, bias, stats, running_mean, running_var, num_batches_tracked,
     if momentum is None and update and num_batches_tracked is None:
         raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
     # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
-    key = (
-        x.shape, x.stride(), x.dtype, x.device, save_stats, momentum, eps, activation, negative_slope,
-        None if stats is None else stats.dtype, None if weight is None else weight.dtype,
-        None if bias is None else bias.dtype,
+    key = (x.shape, x.stride(), x.dtype, x.device, save_stats, momentum, eps, activation, negative_slope, own)
+    key += (None if stats is None else stats.dtype, None if weight is None else weight.dtype)
+    key += (None if bias is None else bias.dtype, None if residual is None else (residual.stride(), residual.dtype))
+    key += (
         None if running_mean is None else (running_mean.dtype, running_var.dtype),
         None if num_batches_tracked is None else num_batches_tracked.dtype,
-        None if residual is None else (residual.stride(), residual.dtype), own,
-    )  # fmt: skip
+    )
     if mask is not None:
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
-        launch = cache_put(_launches, key, _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
-                                                   eps, residual, activation, negative_slope, save_stats,
-                                                   mask, own=own))  # fmt: skip
+        tensors = (x, weight, bias, stats, running_mean, num_batches_tracked, residual, mask)
+        launch = cache_put(
+            _launches, key, _launch(tensors, (momentum, eps, activation, negative_slope, save_stats), own=own)
+        )
     return launch
 
 
@@ -311,11 +327,24 @@ def new_saved(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, torch.empty(C, dtype=compute_dtype(x.dtype), device=device)
 
 
-def run(launch: Launch, x, weight, bias, stats, running_mean, running_var, num_batches_tracked, residual, save_stats,
-        mask=None, like=None):  # fmt: skip
+def run(
+    launch: Launch,
+    x,
+    weight,
+    bias,
+    stats,
+    running_mean,
+    running_var,
+    num_batches_tracked,
+    residual,
+    save_stats,
+    mask=None,
+    like=None,
+):
     """:func:`batch_norm_elemt` with its launch found (:func:`find`): ``(y, mean, invstd)``. ``like``: a
     :func:`new_saved` pair kept for such calls, allocated again by ``torch.empty_like``."""
     device = x.device
+    weight, bias, rm, rv = dense(weight), dense(bias), dense(running_mean), dense(running_var)
     y = torch.empty_like(x)  # preserve_format, the default (0.2 us cheaper than passing it)
     if save_stats:
         mean, invstd = new_saved(x) if like is None else (torch.empty_like(like[0]), torch.empty_like(like[1]))
@@ -330,23 +359,30 @@ def run(launch: Launch, x, weight, bias, stats, running_mean, running_var, num_b
         weight if weight is not None else dummy,
         bias if bias is not None else dummy,
         stats if stats is not None else dummy,
-        running_mean if running_mean is not None else dummy,
-        running_var if running_var is not None else dummy,
+        rm if rm is not None else dummy,
+        rv if rv is not None else dummy,
         num_batches_tracked if num_batches_tracked is not None else dummy,
         workspace(device, 1).tickets if launch.tickets else dummy,
         dummy if mean is None else mean,
         dummy if invstd is None else invstd,
         x if mask is None else mask,
     )
+    if rm is not running_mean:  # the update of a strided buffer, made in a dense copy
+        running_mean.copy_(rm)
+    if rv is not running_var:
+        running_var.copy_(rv)
     return y, mean, invstd
 
 
 _launches = launch_cache()
 
 
-def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum, eps, residual, activation,
-            negative_slope, save_stats, mask=None, per_sm=None, own=False) -> Launch:  # fmt: skip
-    """The launch of the elementwise kernel on arguments like these (see the key in :func:`batch_norm_elemt`)."""
+def _launch(tensors: tuple, flags: tuple, per_sm=None, own=False) -> Launch:
+    """The launch of the elementwise kernel on arguments like these (see the key in :func:`find`): ``tensors``
+    ``(x, weight, bias, stats, running_mean, num_batches_tracked, residual, mask)``, ``flags`` ``(momentum, eps,
+    activation, negative_slope, save_stats)``."""
+    x, weight, bias, stats, running_mean, num_batches_tracked, residual, mask = tensors
+    momentum, eps, activation, negative_slope, save_stats = flags
     y = empty_like_layout(x)
     # 16-bit inputs take twice the tile, but for masked layers (whose tiles may not vectorize: more registers).
     scale = 2 if x.element_size() <= 2 and mask is None else 1
@@ -380,12 +416,19 @@ def _launch(x, weight, bias, stats, running_mean, num_batches_tracked, momentum,
         *split_float(eps),
         float(negative_slope),
     )
-    refit = None if per_sm else refit_with(_launch, x, weight, bias, stats, running_mean, num_batches_tracked,
-                                           momentum, eps, residual, activation, negative_slope, save_stats, mask,
-                                           device=x.device)  # fmt: skip
+    refit = None if per_sm else refit_with(_launch, tensors, flags, device=x.device)
     checked = _checked(training and not own, weight, bias, num_batches_tracked, residual, mask)
-    return Launch(_batch_norm_elemt_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=13,
-                  tickets=int(has_nbt), refit=refit, checked=checked)  # fmt: skip
+    return Launch(
+        _batch_norm_elemt_kernel,
+        layout.grid,
+        tail,
+        constexprs,
+        layout.num_warps,
+        pointers=13,
+        tickets=int(has_nbt),
+        refit=refit,
+        checked=checked,
+    )
 
 
 def _checked(given_stats, weight, bias, num_batches_tracked, residual, mask) -> tuple[int, ...]:

@@ -263,6 +263,15 @@ def _launch(x: torch.Tensor, mask: torch.Tensor | None = None, per_sm: int | Non
     tail = (*layout.size_args, R, layout.G, x.numel() // C, *layout.stride_args)
     # A masked launch counts each channel block's real positions in one more counter per block.
     tickets = layout.merge_tickets + (layout.c_blocks if mask is not None else 0)
-    return Launch(_batch_norm_stats_kernel, layout.grid, tail, constexprs, layout.num_warps, pointers=5,
-                  tickets=tickets, scratch=layout.merge_scratch, checked=(0,) if mask is None else (0, 4),
-                  refit=None if per_sm else refit_with(_launch, x, mask, device=x.device))  # fmt: skip
+    return Launch(
+        _batch_norm_stats_kernel,
+        layout.grid,
+        tail,
+        constexprs,
+        layout.num_warps,
+        pointers=5,
+        tickets=tickets,
+        scratch=layout.merge_scratch,
+        checked=(0,) if mask is None else (0, 4),
+        refit=None if per_sm else refit_with(_launch, x, mask, device=x.device),
+    )
