@@ -14,7 +14,7 @@ alone, on CPU tensors, without a GPU:
   ``tritonbn_us / reference_us``.
 * Stages, each timed in isolation in the same interleaved rounds and reported as differences:
   checks (what a call like the layer's last one pays: the comparison with its record,
-  ``dispatch._repeats``; a call of a new shape runs ``check_inputs`` and ``check_activation`` instead, reported
+  ``checks.repeats``; a call of a new shape runs ``check_inputs`` and ``check_activation`` instead, reported
   alone as ``first_call_checks_us``), dispatch (module call, settings, the repeated call's lane to the eager path:
   module total minus the autograd Function and the checks), autograd (``Function.apply`` and the
   engine's backward call: the Function total minus the passes), pass logic (``forward_pass`` /
@@ -74,7 +74,7 @@ from results_file import write_section  # noqa: E402
 
 import tritonbn  # noqa: E402
 from tritonbn import backend  # noqa: E402
-from tritonbn._core import call, dispatch, eager  # noqa: E402
+from tritonbn._core import call, checks, eager, route  # noqa: E402
 from tritonbn._core import passes as data_path  # noqa: E402
 from tritonbn._core.checks import check_inputs  # noqa: E402
 from tritonbn.activations import check_activation  # noqa: E402
@@ -165,7 +165,7 @@ def _fake_compile(self, key, signature, device, constexprs, options, attrs, warm
     return kernel
 
 
-_EAGER = dispatch.is_eager
+_EAGER = route.is_eager
 
 
 def stub_launches() -> None:
@@ -173,7 +173,7 @@ def stub_launches() -> None:
     Launch.__call__ = _stub_call
     _launch.DIRECT = True
     _FakeKernel.fill = False
-    dispatch.is_eager = _EAGER
+    route.is_eager = _EAGER
 
 
 def stub_and_fill() -> None:
@@ -195,7 +195,7 @@ def direct_and_fill() -> None:
 def custom_op_path() -> None:
     """Launches stubbed, and every call through the custom ops (the compiled path; eager before issue 12)."""
     stub_launches()
-    dispatch.is_eager = lambda x: False
+    route.is_eager = lambda x: False
 
 
 def bind_launches() -> None:
@@ -331,8 +331,8 @@ def layer_cases():
         check_inputs(call.Operands(x, w, b, rm, rv, nbt), 0.1, 1e-5, True, C)
         check_activation(None, 0.01)
 
-    def checks():  # the layer's record, made by its first call (the warm-up's)
-        dispatch._repeats(bn._tritonbn_settings.checked, x, w, b, rm, rv, nbt, None, C)
+    def repeats():  # the layer's record, made by its first call (the warm-up's)
+        checks.repeats(bn._tritonbn_settings.record, operands, C)
 
     def plan_call():
         plan(x.shape, x)
@@ -380,7 +380,7 @@ def layer_cases():
         "function": (function, stub),
         "passes": (passes, stub),
         "launchers": (launchers, stub),
-        "checks": (checks, stub),
+        "checks": (repeats, stub),
         "first_call_checks": (first_call_checks, stub),
         "empty_function": (empty_function, stub),
         "tritonbn_bound": (module, bind),

@@ -11,6 +11,7 @@
   repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
 * :func:`accumulate_stats`: one running-statistics update per optimizer step under gradient accumulation.
+* :func:`explain`: which route (backend, path, synchronization) each BatchNorm layer of a model takes, and why.
 * :func:`join`: ranks with different numbers of batches, as torch's ``Join`` (DDP's) with tritonbn's BatchNorms.
 * :mod:`tritonbn.lightning`: the Lightning plugin ``TritonSyncBatchNorm`` (imported on first use).
 * :mod:`tritonbn.mmengine`: ``"TritonSyncBN"`` for OpenMMLab configs (imported on first use).
@@ -21,6 +22,7 @@ Set ``TRITONBN_BACKEND=auto|triton|torch`` to choose the implementation (see :mo
 from importlib.metadata import PackageNotFoundError, version
 
 from tritonbn import diagnose
+from tritonbn._explain import explain
 from tritonbn.convert import convert_sync_batchnorm, revert_sync_batchnorm
 from tritonbn.export import fold_batchnorm
 from tritonbn.functional import sync_batch_norm
@@ -56,6 +58,7 @@ __all__ = [
     "recalibrate_batchnorm",
     "accumulate_stats",
     "join",
+    "explain",
     "diagnose",
     "__version__",
 ]

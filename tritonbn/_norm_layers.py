@@ -63,14 +63,14 @@ def why_not_converted(module: nn.Module) -> str | None:
 
 
 def move_state(src: _BatchNorm, dst: _BatchNorm) -> _BatchNorm:
-    """Give ``dst`` the very parameters and buffers of ``src``, and its mode."""
+    """Give ``dst`` the very parameters and buffers of ``src`` (running statistics kept by a layer whose
+    ``track_running_stats`` was turned off after construction, which eval still reads, and buffers set to ``None``
+    included), and its mode."""
     if src.affine:
         dst.weight = src.weight
         dst.bias = src.bias
-    if src.track_running_stats:
-        dst.running_mean = src.running_mean
-        dst.running_var = src.running_var
-        dst.num_batches_tracked = src.num_batches_tracked
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(dst, name, src._buffers.get(name))
     dst.train(src.training)
     if hasattr(src, "qconfig"):
         dst.qconfig = src.qconfig

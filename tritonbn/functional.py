@@ -11,14 +11,16 @@ from tritonbn._core.dispatch import run
 from tritonbn.distributed import resolve_group
 
 
-def batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps, group,
-               num_batches_tracked=None, *, residual=None, activation=None, negative_slope=0.01, stats_sink=None,
-               mask=None) -> torch.Tensor:  # fmt: skip
+def batch_norm(
+    input, running_mean, running_var, weight, bias, training, momentum, eps, group, num_batches_tracked=None, **call
+) -> torch.Tensor:
     """:func:`sync_batch_norm` over an already resolved ``group`` (``None``: this rank alone), for the benchmarks
-    and :func:`tritonbn.recalibrate_batchnorm`. ``stats_sink``: see :func:`tritonbn.accumulate_stats`."""
-    settings = settings_for(training, momentum, eps, activation, negative_slope, group, debug_group=group)
-    operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, stats_sink)
-    return run(settings, operands)
+    and :func:`tritonbn.recalibrate_batchnorm`; ``call``: its keywords ``residual``, ``activation``,
+    ``negative_slope``, ``mask``, and ``stats_sink`` (see :func:`tritonbn.accumulate_stats`)."""
+    activation, slope = call.get("activation"), call.get("negative_slope", 0.01)
+    settings = settings_for(training, momentum, eps, activation, slope, group, debug_group=group)
+    tensors = (num_batches_tracked, call.get("residual"), call.get("mask"), call.get("stats_sink"))
+    return run(settings, Operands(input, weight, bias, running_mean, running_var, *tensors))
 
 
 def sync_batch_norm(
@@ -62,13 +64,28 @@ def sync_batch_norm(
         tensors = (input, running_mean, running_var, weight, bias, num_batches_tracked, residual, mask)
         if has_torch_function(tensors):
             return handle_torch_function(
-                sync_batch_norm, tensors, input, running_mean, running_var, weight, bias, training, momentum, eps,
-                process_group, num_batches_tracked=num_batches_tracked, residual=residual, activation=activation,
-                negative_slope=negative_slope, mask=mask, lengths=lengths,
-            )  # fmt: skip
+                sync_batch_norm,
+                tensors,
+                input,
+                running_mean,
+                running_var,
+                weight,
+                bias,
+                training,
+                momentum,
+                eps,
+                process_group,
+                num_batches_tracked=num_batches_tracked,
+                residual=residual,
+                activation=activation,
+                negative_slope=negative_slope,
+                mask=mask,
+                lengths=lengths,
+            )
     if lengths is not None:
         mask = mask_from_lengths(input, lengths, mask)
     group = resolve_group(process_group) if training else None
-    settings = settings_for(training, momentum, eps, activation, negative_slope, group, debug_group=group)
-    operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask)
-    return run(settings, operands)
+    epilogue = {"residual": residual, "activation": activation, "negative_slope": negative_slope, "mask": mask}
+    return batch_norm(
+        input, running_mean, running_var, weight, bias, training, momentum, eps, group, num_batches_tracked, **epilogue
+    )

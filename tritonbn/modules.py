@@ -15,9 +15,9 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn._core.call import LayerSettings, Operands, settings_for
+from tritonbn._core.call import LayerSettings, Operands, in_backward, settings_for
 from tritonbn._core.checks import check_inputs, check_momentum, mask_from_lengths
-from tritonbn._core.dispatch import evaluated_again, run, trained_again
+from tritonbn._core.dispatch import run
 from tritonbn._core.lowering import script_error
 from tritonbn._norm_layers import (
     PLAIN,
@@ -168,50 +168,48 @@ class SyncBatchNorm(_BatchNorm):
     def _normalize(
         self, input: torch.Tensor, residual: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The batch norm with its fused epilogue (what subclasses and recalibration build on)."""
+        """The batch norm with its fused epilogue (what subclasses and recalibration build on): the layer's settings
+        and tensors for this call, then the dispatch (:func:`tritonbn._core.dispatch.run`)."""
         settings = self.__dict__.get(_CACHED)
         if settings is None or settings.world is not world():
             settings = self._settings()
         weight, bias, running_mean, running_var, num_batches_tracked = self._state()
-        if not settings.training and residual is None and mask is None and running_var is not None:
-            # eval with running statistics, a call like the layer's last one: straight to the backend's eval pass
-            y = evaluated_again(settings, input, weight, bias, running_mean, running_var, self.num_features)
-            if y is not None:
-                return y
-        if settings.training:
+        counted = None  # a count of batches torch keeps without running statistics (see below)
+        if settings.batch_stats:
             if not self.track_running_stats:
                 running_mean = running_var = num_batches_tracked = None
+            elif running_mean is None and running_var is None:
+                counted, num_batches_tracked = num_batches_tracked, None
+            elif settings.momentum is None and num_batches_tracked is None:  # torch: a factor of 0, nothing moves
+                settings = self._settings(momentum=0.0)
+            joining = self._tritonbn_join
+            if joining is not None and settings.group is not None:  # inside tritonbn.join: its group, its message
+                settings = joining(settings)
         elif running_mean is None and running_var is None:
             # Eval without running statistics normalizes with this rank's own batch, as torch does.
             settings = self._settings(batch_stats=True)
             num_batches_tracked = None
         else:
             num_batches_tracked = None
-        joining = self._tritonbn_join
-        if joining is not None and settings.group is not None:  # inside tritonbn.join: its group, its message
-            settings = joining(settings)
         # Inside tritonbn.accumulate_stats: where this call's global sums go instead of the running stats.
         accumulator = self._tritonbn_accumulator
         sink = accumulator(input) if accumulator is not None and self.training else None
-        if settings.training and mask is None and sink is None:
-            # a training call like the layer's last one, under autograd: straight to the eager path run would take
-            y = trained_again(settings, input, weight, bias, running_mean, running_var, num_batches_tracked, residual,
-                              self.num_features)  # fmt: skip
-            if y is not None:
-                return y
         operands = Operands(input, weight, bias, running_mean, running_var, num_batches_tracked, residual, mask, sink)
-        return run(settings, operands, self.num_features)
+        y = run(settings, operands, self.num_features)
+        if counted is not None and not in_backward():  # torch counts the batches of a layer whose buffers are None
+            counted.add_(1)
+        return y
 
-    def _settings(self, batch_stats: bool = False) -> LayerSettings:
+    def _settings(self, batch_stats: bool = False, **changed) -> LayerSettings:
         """This layer's settings, kept until one of ``_SETTING_NAMES`` changes.
 
-        ``batch_stats``: the settings of an eval call that normalizes with the batch's statistics
-        (no running statistics), made for that call.
+        ``batch_stats``: the settings of an eval call that normalizes with the batch's statistics (no running
+        statistics), made for that call; ``changed``: one call's other ``momentum``, made for that call.
         """
         group = resolve_group(self.process_group)
         settings = settings_for(
             self.training,
-            self.momentum,
+            changed.get("momentum", self.momentum),
             self.eps,
             self.activation,
             self.negative_slope,
@@ -220,9 +218,17 @@ class SyncBatchNorm(_BatchNorm):
             name=getattr(self, NAME, ""),
             batch_stats=batch_stats,
         )
-        if not batch_stats and not torch.compiler.is_compiling():  # dynamo refuses the write inside a checkpoint
+        if not (batch_stats or changed or torch.compiler.is_compiling()):  # dynamo refuses the write in a checkpoint
             self.__dict__[_CACHED] = settings
         return settings
+
+    def __getstate__(self) -> dict:
+        """The module's state for pickle, ``torch.save`` and ``copy.deepcopy``: its ``__dict__`` without the settings
+        it keeps between calls (and, in them, the record of its last call and its routes), which a copy builds anew
+        at its first call, as a fresh layer does."""
+        state = self.__dict__.copy()
+        state.pop(_CACHED, None)
+        return state
 
     def _apply(self, fn, *args, **kwargs):
         """torch's ``.to()``, ``.cuda()``, ``.half()``: the parameters keep their identity and change device or dtype,

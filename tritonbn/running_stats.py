@@ -89,9 +89,16 @@ class _Slot:
         m = self.module
         empty = torch.empty((0, m.num_features), dtype=m.running_mean.dtype, device=self.sums.device)
         ops_for(empty).batch_norm_elemt(
-            empty, None, None, stats=self.sums, running_mean=m.running_mean, running_var=m.running_var,
-            num_batches_tracked=m.num_batches_tracked, momentum=m.momentum, eps=m.eps,
-        )  # fmt: skip
+            empty,
+            None,
+            None,
+            stats=self.sums,
+            running_mean=m.running_mean,
+            running_var=m.running_var,
+            num_batches_tracked=m.num_batches_tracked,
+            momentum=m.momentum,
+            eps=m.eps,
+        )
 
 
 class accumulate_stats:  # noqa: N801 - used like a function: ``with tritonbn.accumulate_stats(model):``

@@ -117,9 +117,16 @@ class _Shadow(JoinHook):
         module, (mean, var, count) = self.block.layers[index], self.state[index]
         empty = torch.empty((0, module.num_features), dtype=mean.dtype, device=mean.device)
         ops_for(empty).batch_norm_elemt(
-            empty, None, None, stats=stats.to(mean.device), running_mean=mean, running_var=var,
-            num_batches_tracked=count, momentum=module.momentum, eps=module.eps,
-        )  # fmt: skip
+            empty,
+            None,
+            None,
+            stats=stats.to(mean.device),
+            running_mean=mean,
+            running_var=var,
+            num_batches_tracked=count,
+            momentum=module.momentum,
+            eps=module.eps,
+        )
         _write(module, self.state[index])
 
     def post_hook(self, is_last_joiner: bool) -> None:

@@ -23,7 +23,7 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 PUBLIC = (
     "SyncBatchNorm convert_sync_batchnorm revert_sync_batchnorm syncbn_group sync_batch_norm"
     " fuse_batchnorm_activations fold_batchnorm sync_running_stats recalibrate_batchnorm accumulate_stats"
-    " join diagnose __version__"
+    " join explain diagnose __version__"
 ).split()
 KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
            "batch_norm_backward_elemt"]  # fmt: skip
@@ -102,7 +102,7 @@ FLOORS = [
     ("tritonbn._core",),
     ("tritonbn.functional", "tritonbn.modules", "tritonbn.convert"),
     ("tritonbn.fusion", "tritonbn.export", "tritonbn.diagnose", "tritonbn.running_stats", "tritonbn.uneven",
-     "tritonbn"),
+     "tritonbn._explain", "tritonbn"),
     ("tritonbn.cli", "tritonbn.integrations", "tritonbn.lightning", "tritonbn.mmengine", "tritonbn.__main__"),
 ]  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 Both paths call the same ``forward_pass`` / ``backward_pass`` over the same launchers, so they must
 agree bitwise: outputs, every gradient, the running statistics and ``num_batches_tracked``. A training call that
-repeats the layer's last one goes to the same eager path without the dispatch (``dispatch.trained_again``).
+repeats the layer's last one takes the route kept for it (``tritonbn._core.route``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonbn
-from tritonbn._core import dispatch
-from tritonbn.backends.torch import local
+from tritonbn._core import custom_ops, route
 
 
 class Net(nn.Module):
@@ -66,7 +65,7 @@ def _assert_identical(got, want):
 
 
 def _custom_op_path(monkeypatch):
-    monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
+    monkeypatch.setattr(route, "is_eager", lambda x: False)
 
 
 @pytest.mark.parametrize("backend_name", ["triton", "torch"], indirect=True)
@@ -76,7 +75,7 @@ def test_eager_skips_the_custom_ops(backend_name, monkeypatch):
     def refuse(*args):
         raise AssertionError("an eager call went through the custom ops")
 
-    monkeypatch.setattr(dispatch.SyncBatchNormFunction, "apply", refuse)
+    monkeypatch.setattr(custom_ops.SyncBatchNormFunction, "apply", refuse)
     x, r, w = _inputs()
     _run(Net(), x, r, w)
     monkeypatch.undo()
@@ -162,28 +161,19 @@ def _step_against(bn, oracle, x, exact=True):
     assert bn.num_batches_tracked.item() == oracle.num_batches_tracked
 
 
-def test_a_repeated_training_call_skips_the_dispatch(dispatched, monkeypatch):
-    """A training call under autograd like the layer's last checked one (``dispatch.trained_again``) goes straight to
-    the eager path the dispatch takes for it, found once per record: the PyTorch backend's local path (the float64
-    output, gradients and buffers of ``F.batch_norm``, to the bit), the eager Function where the local path declines
-    the layout, and the kernels. A residual (another record), no autograd, a checkpoint's recompute inside backward
-    (which leaves the buffers alone) and forward-mode AD go through the dispatch."""
-    paths = {"local": 0, "function": 0}
-
-    def counting(key, function):
-        def count(*args):
-            y = function(*args)
-            paths[key] += y is not None
-            return y
-
-        return count
-
-    monkeypatch.setattr(local, "recorded", counting("local", local.recorded))
-    monkeypatch.setattr(dispatch, "apply_eager", counting("function", dispatch.apply_eager))
+def test_a_repeated_training_call_takes_its_kept_route(dispatched, routes, monkeypatch):
+    """A training call under autograd like the layer's last checked one takes the route chosen for the first
+    (``tritonbn._core.route.route_for``, once per record and context), with no checks and no choice made again: the
+    PyTorch backend's local path (the float64 output, gradients and buffers of ``F.batch_norm``, to the bit), the
+    eager Function where the local path declines the layout, and the kernels. A residual (another record), no
+    autograd, another ``TRITONBN_BACKEND``, a checkpoint's recompute inside backward (which leaves the buffers
+    alone) and forward-mode AD are other contexts: a route is chosen for each, once."""
     monkeypatch.setenv("TRITONBN_BACKEND", "torch")
 
-    def expect(run, local_path, function):
-        assert (len(dispatched), paths["local"], paths["function"]) == (run, local_path, function)
+    def expect(chosen, taken):
+        assert len(dispatched) == chosen
+        assert routes == taken
+        routes.clear()
 
     torch.manual_seed(5)
     bn = tritonbn.SyncBatchNorm(6).double()
@@ -191,40 +181,43 @@ def test_a_repeated_training_call_skips_the_dispatch(dispatched, monkeypatch):
     x = torch.randn(4, 6, 5, 3, dtype=torch.float64) * 3 + 2
     for _ in range(3):
         _step_against(bn, oracle, x)
-    expect(1, 3, 0)  # the second call found that the local path takes the third
+    expect(1, ["local training"] * 3)  # chosen at the first call, kept for the next two
     bn(x.clone().requires_grad_(), torch.randn_like(x))  # a residual: checked again, a record of its own
     oracle.step(x, None)
     for _ in range(3):
         _step_against(bn, oracle, x)
-    expect(3, 7, 0)
-    with torch.no_grad():  # nothing recorded: local.forward, through the dispatch
+    expect(3, ["local training"] * 4)
+    with torch.no_grad():  # nothing recorded: the forward pass (its local forward), chosen for that context
+        bn(x)
         bn(x)
     oracle.step(x, None)
+    oracle.step(x, None)
     _step_against(bn, oracle, x)
-    expect(4, 8, 0)
+    expect(4, ["forward pass", "forward pass", "local training"])
     xt = x.transpose(2, 3)  # strides torch's kernels do not keep: the Function
     for _ in range(3):
         _step_against(bn, oracle, xt, exact=False)
-    expect(5, 8, 3)
+    expect(5, ["eager function"] * 3)
     monkeypatch.setenv("TRITONBN_BACKEND", "auto")  # under the interpreter: the kernels, in the Function
     for _ in range(3):
         _step_against(bn, oracle, xt, exact=False)
-    expect(5, 8, 6)
-    assert "triton" in bn._tritonbn_settings.checked[2]  # the kernels' launches, prepared for the record
+    expect(6, ["eager function"] * 3)
+    assert bn._tritonbn_settings.record.launches is not None  # the kernels' launches, prepared for the record
     monkeypatch.setenv("TRITONBN_BACKEND", "torch")
     with torch.no_grad():  # the Function's buffers are within 1e-10 of the oracle's: the exact steps start from its
         bn.running_mean.copy_(oracle.running_mean)
         bn.running_var.copy_(oracle.running_var)
     _step_against(bn, oracle, x)
     _step_against(bn, oracle, x)
-    expect(6, 10, 6)
+    expect(7, ["local training"] * 2)
     y = torch.utils.checkpoint.checkpoint(bn, x.clone().requires_grad_(), use_reentrant=False)
-    y.sum().backward()  # the forward straight; its recompute inside backward through the dispatch
+    y.sum().backward()  # the forward: the kept route; its recompute inside backward: a context of its own
     oracle.step(x, None)
-    assert len(dispatched) == 7 and bn.num_batches_tracked.item() == oracle.num_batches_tracked
+    assert bn.num_batches_tracked.item() == oracle.num_batches_tracked
     assert torch.equal(bn.running_mean, oracle.running_mean) and torch.equal(bn.running_var, oracle.running_var)
-    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function, through the dispatch
+    expect(8, ["local training"] * 2)
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function
         bn(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
     oracle.step(x, None)
     _step_against(bn, oracle, x)
-    assert len(dispatched) == 8
+    expect(9, ["eager function", "local training"])

@@ -17,7 +17,7 @@ from dist import backend_env, load_ranks, save_rank, spawn
 
 import tritonbn
 from tritonbn import functional
-from tritonbn._core import dispatch
+from tritonbn._core import route
 
 EPS = 1e-5
 
@@ -129,7 +129,7 @@ def _penalty(fn, x, params, dy):
 def test_penalty_matches_torch_and_first_order(backend_name, custom_ops, activation, monkeypatch):
     """The penalty's gradients equal torch's; the differentiable path's first-order gradients equal the kernels'."""
     if custom_ops:  # the path torch.compile and non-eager tensors take
-        monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
+        monkeypatch.setattr(route, "is_eager", lambda x: False)
     g = torch.Generator().manual_seed(3)
     shape = (4, 3, 2, 3)
     x0 = torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1
@@ -177,7 +177,7 @@ def test_penalty_matches_torch_and_first_order(backend_name, custom_ops, activat
 @pytest.mark.parametrize("params_grad", [True, False], ids=["params-grad", "no-grad"])
 def test_forward_ad_matches_torch(backend_name, training, params_grad, custom_ops, monkeypatch):
     if custom_ops:
-        monkeypatch.setattr(dispatch, "is_eager", lambda x: False)
+        monkeypatch.setattr(route, "is_eager", lambda x: False)
     g = torch.Generator().manual_seed(4)
     shape = (3, 2, 5)
     x = torch.randn(shape, generator=g, dtype=torch.float64) * 3 - 1

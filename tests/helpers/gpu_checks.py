@@ -96,7 +96,8 @@ def check_empty_batch_in_graph():
         y = bn(x)
     graph.replay()
     torch.cuda.synchronize()
-    assert y.shape == x.shape and bn.num_batches_tracked.item() == 0
+    # one process counts an empty step as torch's module does: the warm-up and the replay
+    assert y.shape == x.shape and bn.num_batches_tracked.item() == 2
     assert torch.equal(bn.running_mean, torch.zeros(8, device="cuda"))
     print("cuda graph: an empty batch is handled in the kernels")
 

@@ -1,19 +1,25 @@
 """What one call carries: the layer's settings (built once per layer), its tensors, and what backward saves.
 
-Three records, so that the dispatch, the checks, the export lowering and the passes pass on one value each
-instead of a dozen loose arguments:
+Records, so that the dispatch, the checks, the export lowering and the passes pass on one value each instead of a
+dozen loose arguments:
 
-* :class:`LayerSettings`: what a layer's calls need besides their tensors (mode, momentum, eps, epilogue,
-  process groups, the layer's name in debug checks), built by :func:`settings_for` alone. The module builds
-  it once and keeps it until one of its settings changes; the functional form builds one per call; the
-  custom ops rebuild it from their flat schema. There are no placeholder values.
+* :class:`LayerSettings`: what a layer's calls need besides their tensors (whether they normalize with batch
+  statistics, momentum, eps, epilogue, process groups, the layer's name in debug checks), built by
+  :func:`settings_for` alone. The module builds it once and keeps it until one of its settings changes; the
+  functional form builds one per call; the custom ops rebuild it from their flat schema.
 * :class:`Operands`: the tensors of one call (input, parameters, running statistics, residual, mask, and
   the ``accumulate_stats`` sink).
+* :class:`CallRecord`: what the layer's last eager call that passed the checks looked like, and the
+  :class:`Route` chosen for calls like it in each context (:mod:`tritonbn._core.route`).
 * :class:`Saved`: what the forward keeps for the backward.
+
+None of them is part of a module's state: ``SyncBatchNorm`` drops its settings (and so the record) from pickles and
+copies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,16 +33,15 @@ from tritonbn.distributed import world
 class LayerSettings:
     """A layer's settings: what each call of the layer needs besides its tensors.
 
-    ``training``: the call normalizes with batch statistics (training mode, or eval without running
-    statistics). ``group`` is what training synchronizes over (``None``: this rank alone; always ``None`` in
-    eval), ``debug_group`` what ``TRITONBN_DEBUG=1`` checks signatures over, and ``name`` the layer's identity
-    in those checks. ``world`` is the default process group the groups were resolved against, so that a
-    module built before ``init_process_group`` resolves them again. ``checked``: what the last eager call that
-    passed the checks looked like (:func:`tritonbn._core.checks.check_eager_call`), and what the backends keep
-    for calls like it (:mod:`tritonbn.backends.triton._prepared`), ``None`` before one.
+    ``batch_stats``: the call normalizes with the batch's statistics (training mode, or eval without running
+    statistics); otherwise with the running statistics. ``group`` is what training synchronizes over (``None``:
+    this rank alone; always ``None`` in eval), ``debug_group`` what ``TRITONBN_DEBUG=1`` checks signatures over,
+    and ``name`` the layer's identity in those checks. ``world`` is the default process group the groups were
+    resolved against, so that a module built before ``init_process_group`` resolves them again. ``record``: the
+    last eager call that passed the checks (:func:`tritonbn._core.checks.check_eager_call`), ``None`` before one.
     """
 
-    training: bool
+    batch_stats: bool
     momentum: float | None
     eps: float
     activation: str | None
@@ -45,7 +50,7 @@ class LayerSettings:
     debug_group: object
     name: str
     world: object
-    checked: tuple | None = None
+    record: CallRecord | None = None
 
 
 def settings_for(
@@ -58,7 +63,7 @@ def settings_for(
     own statistics in eval (a layer without running statistics), without synchronizing.
     """
     return LayerSettings(
-        training=training or batch_stats,
+        batch_stats=training or batch_stats,
         momentum=momentum,
         eps=eps,
         activation=activation,
@@ -88,12 +93,58 @@ class Operands:
 
     def tensors(self) -> tuple:
         """Every field, in order (``None`` where a tensor is not given)."""
-        return (self.input, self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked,
-                self.residual, self.mask, self.sink)  # fmt: skip
+        return (
+            self.input,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.num_batches_tracked,
+            self.residual,
+            self.mask,
+            self.sink,
+        )
 
     def without_running_stats(self) -> Operands:
         """The same call, updating no running statistics (a forward inside backward: a checkpoint recompute)."""
         return Operands(self.input, self.weight, self.bias, None, None, None, self.residual, self.mask, self.sink)
+
+
+@dataclass(slots=True, eq=False)
+class CallRecord:
+    """An eager call that passed the checks (:func:`tritonbn._core.checks.check_eager_call`): ``meta`` (its input's
+    and residual's shapes, strides, dtypes and devices, the parameters' and buffers' shapes, dtypes and devices:
+    :func:`~tritonbn._core.checks.call_meta`) and the very parameter and buffer tensors it had. A later call with the
+    same tensors and the same ``meta`` repeats it, and needs neither the checks nor a new route.
+
+    ``routes``: the :class:`Route` chosen for calls like it, keyed by the context that can change between such calls
+    (:func:`tritonbn._core.route.context`). ``launches``: what a backend keeps for calls like it (the Triton
+    backend's prepared launchers, :mod:`tritonbn.backends.triton._prepared`), ``None`` before the first.
+    """
+
+    meta: tuple
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    num_batches_tracked: torch.Tensor | None
+    routes: dict
+    launches: object = None
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class Route:
+    """How a call runs, chosen by :func:`tritonbn._core.route.route_for` alone: ``name`` (one of the rows of the
+    table in docs/design.md), ``backend`` (``"triton"``, ``"torch"``, or ``"torch ops"`` for the export and
+    ``torch.func`` lowerings), ``reason`` (why this route, in words) and ``run``, ``(settings, operands) -> y``."""
+
+    name: str
+    backend: str
+    reason: str
+    run: Callable
+
+    def __repr__(self) -> str:
+        return f"<tritonbn route {self.name!r} ({self.backend}): {self.reason}>"
 
 
 @dataclass(slots=True)
@@ -134,4 +185,4 @@ def kept(y, residual, activation, negative_slope):
 def synchronizes_with_nobody(settings: LayerSettings, mask) -> bool:
     """Whether a call can take the PyTorch backend's local path: training with no process group, and no mask (a
     residual and an activation follow it there, in torch's own ops)."""
-    return settings.training and settings.group is None and mask is None
+    return settings.batch_stats and settings.group is None and mask is None

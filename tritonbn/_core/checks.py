@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tritonbn._compat import assert_on_device, tracer_paused
+from tritonbn._core.call import CallRecord
 from tritonbn._numerics import FLOAT_DTYPES
 from tritonbn.activations import check_activation
 
@@ -143,7 +144,7 @@ def check_call(settings, operands, num_features: int | None = None) -> None:
     """Every check of one call (a :class:`~tritonbn._core.call.LayerSettings` and its
     :class:`~tritonbn._core.call.Operands`): :func:`check_inputs` and the rules that need the layer's mode."""
     t = operands
-    training = settings.training
+    training = settings.batch_stats
     check_inputs(t, settings.momentum, settings.eps, training, num_features)
     check_activation(settings.activation, settings.negative_slope)
     if t.mask is not None:
@@ -156,41 +157,51 @@ def check_call(settings, operands, num_features: int | None = None) -> None:
         raise ValueError("momentum=None (cumulative average) needs num_batches_tracked")
 
 
-def check_eager_call(settings, operands, num_features: int | None = None) -> tuple | None:
-    """:func:`check_call` for an eager call, skipped where the layer's last call passed it with the same input
-    shape, strides, dtype and device, the same residual's, and the very same parameter and buffer tensors, of the
-    same shapes, dtypes and devices.
+def check_eager_call(settings, operands, num_features: int | None = None):
+    """:func:`check_call` for an eager call, skipped where the call repeats the layer's last one that passed it
+    (:func:`repeats`). Returns that call's :class:`~tritonbn._core.call.CallRecord` (``settings.record``, made anew
+    where the checks ran), or ``None`` for a call with a mask or an ``accumulate_stats`` sink, which are checked at
+    every call.
 
-    What the checks read is then unchanged: the layer's settings are rebuilt (``checked`` empty) whenever one of
-    them changes, and whenever the module moves or converts its tensors (``SyncBatchNorm._apply``); a parameter
-    whose ``.data`` was set by hand to another shape, dtype or device is checked again. A mask or an
-    ``accumulate_stats`` sink is checked every call.
-
-    Returns the record the call matched, ``(meta, tensors, kept)``: ``kept`` is what the backends keep for calls
-    like it (:mod:`tritonbn.backends.triton._prepared`); ``None`` for a call with a mask or a sink.
+    What the checks read is then unchanged: the layer's settings are rebuilt (no record) whenever one of them
+    changes, and whenever the module moves or converts its tensors (``SyncBatchNorm._apply``); a parameter whose
+    ``.data`` was set by hand to another shape, dtype or device is checked again.
     """
     t = operands
     if t.mask is not None or t.sink is not None:
         return check_call(settings, t, num_features)
-    x, r = t.input, t.residual
-    held = w, b, rm, rv, nbt = t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked
-    last = settings.checked
-    if last is not None and matches(last, x, r, w, b, rm, rv, nbt, num_features):
+    last = settings.record
+    if last is not None and repeats(last, t, num_features):
         return last
     check_call(settings, t, num_features)
-    record = settings.checked = (call_meta(x, r, w, b, rm, rv, nbt, num_features), held, {})
-    return record
+    x, r, w, b, rm, rv, nbt = (
+        t.input,
+        t.residual,
+        t.weight,
+        t.bias,
+        t.running_mean,
+        t.running_var,
+        t.num_batches_tracked,
+    )
+    meta = call_meta(x, r, w, b, rm, rv, nbt, num_features)
+    settings.record = CallRecord(meta, w, b, rm, rv, nbt, {})
+    return settings.record
 
 
-def matches(record: tuple, x, r, w, b, rm, rv, nbt, num_features) -> bool:
-    """Whether a call repeats the one :func:`check_eager_call` recorded in ``record``: the very same parameter and
-    buffer tensors, and the same :func:`call_meta` (the input's and residual's shapes, strides, dtypes and devices,
-    the parameters' and buffers' shapes, dtypes and devices)."""
-    w0, b0, rm0, rv0, nbt0 = record[1]
-    return (
-        w0 is w and b0 is b and rm0 is rm and rv0 is rv and nbt0 is nbt
-        and record[0] == call_meta(x, r, w, b, rm, rv, nbt, num_features)
-    )  # fmt: skip
+def repeats(record: CallRecord, operands, num_features) -> bool:
+    """Whether a call repeats the one ``record`` keeps: the very same parameter and buffer tensors, and the same
+    :func:`call_meta`."""
+    t = operands
+    w, b, rm, rv, nbt = t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked
+    if not (
+        record.weight is w
+        and record.bias is b
+        and record.running_mean is rm
+        and record.running_var is rv
+        and record.num_batches_tracked is nbt
+    ):
+        return False
+    return record.meta == call_meta(t.input, t.residual, w, b, rm, rv, nbt, num_features)
 
 
 def call_meta(x, r, w, b, rm, rv, nbt, num_features) -> tuple:

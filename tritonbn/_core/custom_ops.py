@@ -139,7 +139,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             t.running_mean,
             t.running_var,
             t.num_batches_tracked,
-            s.training,
+            s.batch_stats,
             s.momentum,
             s.eps,
             s.activation,
@@ -217,3 +217,10 @@ class SyncBatchNormFunctionForwardAD(SyncBatchNormFunction):
     @staticmethod
     def jvp(ctx, tx, tw, tb, tr, *_):
         return higher_order.jvp(settings_of(*ctx.op_settings), *ctx.for_jvp, None, tx, tw, tb, tr)
+
+
+def compiled_output(function, settings: LayerSettings, operands: Operands) -> torch.Tensor:
+    """``y`` of a call through the custom ops: ``function`` is :class:`SyncBatchNormFunction` (what ``torch.compile``,
+    dispatch modes and tensor subclasses at the dispatch level trace) or, under forward-mode AD uncompiled,
+    :class:`SyncBatchNormFunctionForwardAD`."""
+    return function.apply(*SyncBatchNormFunction.args(settings, operands))

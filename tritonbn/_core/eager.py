@@ -52,5 +52,13 @@ class EagerBatchNormFunction(torch.autograd.Function):
 
 
 # ``Function.apply`` without its Python wrapper, which only adds what functorch transforms and ``setup_context``
-# need: the dispatch's ``is_eager`` has ruled out the transforms, and the Function has no setup_context.
+# need: the route has ruled out the transforms (``tritonbn._core.route.is_eager``), and the Function has no
+# setup_context.
 apply_eager = super(torch.autograd.Function, EagerBatchNormFunction).apply
+
+
+def eager_output(launchers, settings, operands):
+    """``y`` of an eager call that autograd records, through :class:`EagerBatchNormFunction` over ``launchers`` (a
+    :class:`tritonbn.backend.Backend`, or the Triton backend's launchers prepared for the call's record)."""
+    t = operands
+    return apply_eager(t.input, t.weight, t.bias, t.residual, launchers, settings, t)

@@ -77,16 +77,20 @@ def _affine(xhat, x, weight, bias):
 
 
 def _act_grad(g, z, activation, slope, output):
-    """``g * act'(z)``; ``z > 0`` read from ``output`` when the residual was not kept (relu, leaky slope >= 0)."""
+    """``g * act'(z)``; ``z > 0`` read from ``output`` when the residual was not kept (relu, leaky slope >= 0).
+
+    relu's and leaky_relu's through torch's own backward ops, whose derivative in ``z`` is zero: what they read the
+    sign of stays in the graph (with a zero gradient), as in torch's modules, so a parameter that reaches ``z`` only
+    gets a zero gradient, not ``None``. With ``output``, ``z`` is joined to it with a factor of zero."""
     if activation is None:
         return g
     if activation == "silu":
         s = torch.sigmoid(z)
         return g * s * (1.0 + z * (1.0 - s))
-    positive = output > 0 if output is not None else z > 0
+    sign = z if output is None else output.to(z.dtype) + z * 0.0  # > 0 where z is
     if activation == "relu":
-        return torch.where(positive, g, torch.zeros_like(g))
-    return torch.where(positive, g, g * slope)
+        return torch.ops.aten.threshold_backward(g, sign, 0.0)
+    return torch.ops.aten.leaky_relu_backward(g, sign, slope, False)
 
 
 def backward(layer, grad_out, saved, needs):
@@ -100,8 +104,8 @@ def backward(layer, grad_out, saved, needs):
     x, weight, bias, residual, output = saved.x, saved.weight, saved.bias, saved.residual, saved.output
     mean, invstd, eps = saved.mean, saved.invstd, layer.eps
     need_x, need_w, need_b, need_r = needs
-    group = layer.group if layer.training else None
-    xhat = _normalized(x, mean, invstd, layer.training, eps, group)
+    group = layer.group if layer.batch_stats else None
+    xhat = _normalized(x, mean, invstd, layer.batch_stats, eps, group)
     u = _affine(xhat, x, weight, bias)
     z = u
     if layer.activation is not None and output is None and residual is not None:
@@ -128,7 +132,7 @@ def jvp(layer, x, weight, bias, mean, invstd, stats, residual, output, tx, tw, t
     t = None
     if tx is not None:
         tx = tx.to(acc)
-        if layer.training:
+        if layer.batch_stats:
             sums = torch.cat([tx.sum(dims), (xhat * tx).sum(dims)])
             all_reduce_sum(sums, layer.group)
             # the global count; a layer that synchronizes with nobody counts its own batch (the PyTorch

@@ -57,12 +57,12 @@ def lowered(how: str, layer, operands):
     running_mean, running_var, num_batches_tracked = t.running_mean, t.running_var, t.num_batches_tracked
     if t.sink is not None:
         raise RuntimeError(f"{ACCUMULATE_EAGER_ONLY}; it cannot run under {how}")
-    if layer.training and mask is not None:
+    if layer.batch_stats and mask is not None:
         raise RuntimeError(
             f"tritonbn: cannot export masked BatchNorm with batch statistics (training mode, or eval without running "
             f"statistics) under {how}: torch's batch_norm has no mask. Call model.eval() before exporting"
         )
-    if layer.training:
+    if layer.batch_stats:
         if layer.group is not None:
             raise RuntimeError(
                 f"tritonbn: cannot export a training-mode SyncBatchNorm ({layer.name or 'functional call'}) under "
@@ -84,7 +84,7 @@ def lowered(how: str, layer, operands):
         )
         if num_batches_tracked is not None and running_mean is not None:
             num_batches_tracked.add_(1)
-    momentum = layer.momentum if layer.training and layer.momentum is not None else 0.0
+    momentum = layer.momentum if layer.batch_stats and layer.momentum is not None else 0.0
     return in_torch_ops(layer, input, weight, bias, running_mean, running_var, residual, mask, momentum)
 
 
@@ -92,13 +92,13 @@ def in_torch_ops(layer, input, weight, bias, running_mean, running_var, residual
     """``act(batch_norm(input) + residual)`` in torch's own ops, ``momentum`` the running statistics' factor (what
     export tracers record, and what torch.func transforms batch and differentiate: :func:`under_transform`)."""
     out_dtype = input.dtype
-    half_stats = layer.training and running_mean is not None and running_mean.dtype != torch.float32
+    half_stats = layer.batch_stats and running_mean is not None and running_mean.dtype != torch.float32
     if input.dtype in (torch.float16, torch.bfloat16) and not half_stats:
         # As the kernels do: compute in fp32 and round once (fp32 running statistics are updated in place).
         input, weight, bias, residual = (None if t is None else t.float() for t in (input, weight, bias, residual))
-        if not layer.training and running_mean is not None:
+        if not layer.batch_stats and running_mean is not None:
             running_mean, running_var = running_mean.float(), running_var.float()
-    y = F.batch_norm(input, running_mean, running_var, weight, bias, layer.training, momentum, layer.eps)
+    y = F.batch_norm(input, running_mean, running_var, weight, bias, layer.batch_stats, momentum, layer.eps)
     if residual is not None:
         y = y + residual
     if layer.activation == "relu":
@@ -144,14 +144,14 @@ def under_transform(layer, operands):
     running_mean, running_var, count = t.running_mean, t.running_var, t.num_batches_tracked
     momentum, counted = 0.0, False
     try:
-        if layer.training and running_mean is not None:
+        if layer.batch_stats and running_mean is not None:
             if count is not None:
                 count.add_(1)
                 counted = True
             momentum = layer.momentum if layer.momentum is not None else 1.0 / float(count)
         return in_torch_ops(layer, t.input, t.weight, t.bias, running_mean, running_var, t.residual, None, momentum)
     except RuntimeError as error:
-        if not layer.training or running_mean is None:
+        if not layer.batch_stats or running_mean is None:
             raise
         if counted:  # a refused call changes no buffer (torch's module leaves its count one higher under vmap)
             count.sub_(1)

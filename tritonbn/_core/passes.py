@@ -17,14 +17,9 @@ Backward (training)::
     all_reduce(sums)                            # THE backward collective: 2*C floats
     dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:])
 
-On the PyTorch backend a layer that synchronizes with nobody (no process group, no mask) takes its local path
-instead, torch's own passes without the packed statistics, its epilogue in torch's own ops
-(:mod:`tritonbn.backends.torch.local`): here for the custom ops and calls that record no autograd; an eager
-call that records autograd runs the same ops before any Function (:mod:`tritonbn._core.dispatch`). In eval (running
-statistics, no mask) the PyTorch backend's forward is one native eval pass over ``x``, here for every call
-(:func:`tritonbn.backends.torch.local.evaluated`); its backward is torch's own eval backward over the running
-statistics as they were at forward, which ``stats`` then carries (:func:`~tritonbn.backends.torch.local.running_stats`,
-:func:`~tritonbn.backends.torch.local.evaluated_backward`), the launchers' eval backward below where that declines.
+On the PyTorch backend the passes use its local path where nothing is summed (:mod:`tritonbn.backends.torch.local`):
+a layer that synchronizes with nobody makes torch's own passes, and eval is one native pass (its backward torch's
+own eval backward over the running statistics the forward saved in ``stats``).
 
 Each launcher is one kernel launch. Float64 inputs compute in float64 throughout (saved invstd and
 the backward sums too), so ``torch.autograd.gradcheck`` holds at its default tolerances.
@@ -67,7 +62,7 @@ from tritonbn._signature import check_signature, debug_enabled, signature
 from tritonbn.distributed import all_reduce_sum
 
 
-def forward_pass(backend, settings, operands, save_stats=True, enclosing=False, declined=False):
+def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
     """The forward pass over ``backend``'s launchers: ``(y, mean, invstd, stats)``, ``stats`` ``None`` in eval (on
     the PyTorch backend with ``save_stats``, the running statistics as they are now, for the eval backward).
 
@@ -82,22 +77,20 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False, 
     call may run inside another autograd Function's forward (a reentrant checkpoint's, a compiled graph's), where its
     first forward keeps them.
 
-    ``declined``: the backend's eval (``local.evaluated``) was asked already and declined the call.
-
     ``operands.sink`` (:func:`tritonbn.accumulate_stats`): a ``(2C + 1,)`` fp64 buffer that ``stats`` is added
     into, on the device, in place of the running-stat update. ``operands.mask`` (masked BatchNorm): a bool
     ``(N, *S)`` tensor, True at real positions; statistics and count cover those, and ``y`` is 0 at the others.
     """
     t = operands
     stats = running = None
-    if not settings.training and t.mask is None and backend.local is not None and not declined:  # eval: one native pass
+    if not settings.batch_stats and t.mask is None and backend.local is not None:  # eval: one native pass
         rm, rv = t.running_mean, t.running_var
         out = backend.local.evaluated(settings, t.input, t.weight, t.bias, rm, rv, t.residual, save_stats)
         if out is not None:
             return out if save_stats else (out, None, None, None)
         if save_stats:  # the running statistics as they are now, for the eval backward (evaluated_backward)
             running = backend.local.running_stats(rm, rv)
-    if settings.training:
+    if settings.batch_stats:
         backward = in_backward()
         if backward:
             t = t.without_running_stats()
@@ -118,12 +111,31 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False, 
             t.sink.add_(stats)
             t = t.without_running_stats()
     y, mean, invstd = backend.batch_norm_elemt(  # in eval (stats None), with the running statistics
-        t.input, t.weight, t.bias, stats=stats, running_mean=t.running_mean, running_var=t.running_var,
-        num_batches_tracked=t.num_batches_tracked, momentum=settings.momentum, eps=settings.eps,
-        residual=t.residual, activation=settings.activation, negative_slope=settings.negative_slope,
-        save_stats=save_stats, mask=t.mask,
-    )  # fmt: skip
+        t.input,
+        t.weight,
+        t.bias,
+        stats=stats,
+        running_mean=t.running_mean,
+        running_var=t.running_var,
+        num_batches_tracked=t.num_batches_tracked,
+        momentum=settings.momentum,
+        eps=settings.eps,
+        residual=t.residual,
+        activation=settings.activation,
+        negative_slope=settings.negative_slope,
+        save_stats=save_stats,
+        mask=t.mask,
+    )
+    nbt = t.num_batches_tracked
+    if nbt is not None and settings.group is None and not t.input.numel() and t.running_mean is not None:
+        nbt.add_(1)  # as torch counts an empty batch (the launchers count a step only where the global batch has one)
     return y, mean, invstd, (stats if running is None else running)
+
+
+def forward_output(backend, settings, operands):
+    """``y`` of a call that nothing will run backward for (inference, or nothing needs a gradient): the forward pass
+    without the statistics backward reads. It may run inside another autograd Function's forward."""
+    return forward_pass(backend, settings, operands, save_stats=False, enclosing=True)[0]
 
 
 def backward_pass(backend, settings, grad_out, saved: Saved, needs):
@@ -138,7 +150,12 @@ def backward_pass(backend, settings, grad_out, saved: Saved, needs):
     """
     s = saved
     input_grad, weight_grad, bias_grad, residual_grad = needs
-    training, group, activation, slope = settings.training, settings.group, settings.activation, settings.negative_slope
+    training, group, activation, slope = (
+        settings.batch_stats,
+        settings.group,
+        settings.activation,
+        settings.negative_slope,
+    )
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", signature(s.x, True, input_grad), name=settings.name)
     local = backend.local  # the PyTorch backend's local path; None for the kernels

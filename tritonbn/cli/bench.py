@@ -299,9 +299,16 @@ def measure(args, device: torch.device, rank: int, world: int) -> dict | None:
 
 def _row(s: Shape, mode: str, provider: str) -> dict:
     """A result row's description of one input, mode and provider (its figures are added to it)."""
-    return {"shape": s.label, "dtype": str(s.dtype).replace("torch.", ""), "layout": s.layout,
-            "stride": ",".join(map(str, s.stride)), "layers": len(s.layers), "calls": s.calls, "mode": mode,
-            "provider": provider}  # fmt: skip
+    return {
+        "shape": s.label,
+        "dtype": str(s.dtype).replace("torch.", ""),
+        "layout": s.layout,
+        "stride": ",".join(map(str, s.stride)),
+        "layers": len(s.layers),
+        "calls": s.calls,
+        "mode": mode,
+        "provider": provider,
+    }
 
 
 def _interleaved_rows(names, s: Shape, mode, device, group, world, timer: Timer, deadline, backend_env) -> list:
