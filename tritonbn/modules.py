@@ -267,6 +267,24 @@ class SyncBatchNormAct(SyncBatchNorm):
         return y if mask is None else y.masked_fill(~mask.unsqueeze(1), 0)  # 0 after any activation too
 
 
+class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):
+    """A converted ``nn.BatchNorm1d``: a :class:`SyncBatchNorm` (its forward and checks first) that is still an
+    ``nn.BatchNorm1d``, for the code that finds BatchNorms by class (weight decay, freezing). No state of its own."""
+
+
+class SyncBatchNorm2d(SyncBatchNorm, nn.BatchNorm2d):
+    """A converted ``nn.BatchNorm2d``, still an ``nn.BatchNorm2d`` (see :class:`SyncBatchNorm1d`)."""
+
+
+class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
+    """A converted ``nn.BatchNorm3d``, still an ``nn.BatchNorm3d`` (see :class:`SyncBatchNorm1d`)."""
+
+
+# A converted layer's class, by the torch class it is an instance of (not nn.SyncBatchNorm's: see docs/limits.md).
+KEPT_CLASSES = {nn.BatchNorm1d: SyncBatchNorm1d, nn.BatchNorm2d: SyncBatchNorm2d, nn.BatchNorm3d: SyncBatchNorm3d}
+PLAIN_SYNCED = (SyncBatchNorm, *KEPT_CLASSES.values())  # plain batch norm, no epilogue module (not SyncBatchNormAct)
+
+
 def exported_keywords(module: nn.Module, exported: tuple, mask, lengths) -> tuple:
     """``(mask, lengths)`` of a call that ``torch.onnx.export(dynamo=False)`` makes on a bare layer.
 
@@ -320,9 +338,14 @@ def _synced(module: _BatchNorm, process_group, cls: type[SyncBatchNorm] = SyncBa
 
 
 def _converted(module: _BatchNorm, process_group) -> SyncBatchNorm:
-    """The tritonbn module computing what ``module`` computes (see :func:`_why_not_converted`)."""
+    """The tritonbn module computing what ``module`` computes (see :func:`_why_not_converted`).
+
+    A plain BatchNorm stays an instance of its torch class (:data:`KEPT_CLASSES`); a timm norm-act layer is no
+    ``nn.BatchNorm2d``: code that rebuilds one from it (timm's ``freeze_batch_norm_2d``) would drop its activation.
+    """
     if not is_timm_norm_act(module):
-        return _synced(module, process_group)
+        kept = [ours for theirs, ours in KEPT_CLASSES.items() if isinstance(module, theirs)]
+        return _synced(module, process_group, *kept[:1])
     fused = fused_activation(module)
     if fused is not None:
         return _synced(module, process_group, activation=fused[0], negative_slope=fused[1])
@@ -359,8 +382,11 @@ def convert_sync_batchnorm(
 
     The new modules share the original parameters and buffers (so device, dtype,
     ``requires_grad`` and optimizer references are kept) and the training mode, and remember the
-    original class for :func:`revert_sync_batchnorm`. Other norms are left alone. Returns the
-    converted module (``module`` itself, changed in place, unless ``module`` is a batch norm).
+    original class for :func:`revert_sync_batchnorm`. Other norms, and tritonbn's own layers, are left
+    alone. Returns the converted module (``module`` itself, changed in place, unless ``module`` is a batch norm).
+
+    A converted ``nn.BatchNorm1d/2d/3d`` (or subclass) stays an instance of that class (:class:`SyncBatchNorm2d` and
+    its kin); a converted ``nn.SyncBatchNorm`` is a plain :class:`SyncBatchNorm` (DDP refuses CPU modules of torch's).
 
     Conversion never changes what a layer computes. A subclass that keeps torch's forward and has
     no children converts like its base class. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct``

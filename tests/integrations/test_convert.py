@@ -9,6 +9,7 @@ from timm_standin import BatchNormAct2d, DropBlockish, EfficientNetish, Inverted
 from torch import nn
 
 import tritonbn
+from tritonbn.modules import SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 
 class Block(nn.Module):
@@ -38,8 +39,16 @@ def test_convert_and_revert_keep_everything():
     converted = tritonbn.convert_sync_batchnorm(model, process_group=group)
     bns = ["bn", "inner.0", "head", "synced"]
     modules = dict(converted.named_modules())
+    kept = {
+        "bn": SyncBatchNorm2d,
+        "inner.0": SyncBatchNorm3d,
+        "head": SyncBatchNorm1d,
+        "synced": tritonbn.SyncBatchNorm,
+    }
     for name in bns:
-        assert type(modules[name]) is tritonbn.SyncBatchNorm, name
+        assert type(modules[name]) is kept[name], name
+        assert isinstance(modules[name], tritonbn.SyncBatchNorm), name
+        assert isinstance(modules[name], originals[name]) == (name != "synced"), "an instance of the class it replaced"
         assert modules[name].process_group is group
     for name in ["conv", "inner.1", "inner.2", "ln"]:
         assert type(modules[name]) is originals[name], "other modules are left alone"
@@ -55,7 +64,7 @@ def test_convert_and_revert_keep_everything():
     assert converted.bn.running_mean.dtype == torch.float64
     assert {k: v for k, v in converted.state_dict().items()}.keys() == state.keys()
 
-    assert type(tritonbn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))) is tritonbn.SyncBatchNorm
+    assert type(tritonbn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))) is SyncBatchNorm1d
 
     reverted = tritonbn.revert_sync_batchnorm(converted)
     modules = dict(reverted.named_modules())
@@ -72,7 +81,7 @@ def test_convert_and_revert_keep_everything():
 def test_convert_a_bare_batchnorm_and_revert_a_direct_module():
     bn = nn.BatchNorm3d(4)
     converted = tritonbn.convert_sync_batchnorm(bn)
-    assert type(converted) is tritonbn.SyncBatchNorm and converted.weight is bn.weight
+    assert type(converted) is SyncBatchNorm3d and converted.weight is bn.weight
     assert type(tritonbn.revert_sync_batchnorm(converted)) is nn.BatchNorm3d
     direct = tritonbn.SyncBatchNorm(4)
     assert type(tritonbn.revert_sync_batchnorm(direct)) is nn.BatchNorm2d
@@ -248,7 +257,8 @@ def test_subclasses_that_compute_something_else_are_left_alone_with_one_warning(
         assert name in message, message
     assert "2 (Renamed" not in message and "4 (" not in message
     kinds = [type(m).__name__ for m in converted]
-    assert kinds == ["Doubled", "Sequential", "SyncBatchNorm", "Custom", "SyncBatchNorm"]
+    assert kinds == ["Doubled", "Sequential", "SyncBatchNorm2d", "Custom", "SyncBatchNorm2d"]
+    assert isinstance(converted[2], nn.BatchNorm2d) and not isinstance(converted[2], Renamed), "its torch class"
     assert converted[2].eps == 1e-3
     assert tritonbn.revert_sync_batchnorm(converted)[2] is renamed
 

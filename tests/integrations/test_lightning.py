@@ -27,7 +27,7 @@ def test_plugin_is_a_layer_sync_of_each_namespace(namespace):
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
     weight = model[1].weight
     converted = plugin.apply(model)
-    assert type(converted[1]) is tritonbn.SyncBatchNorm and converted[1].weight is weight
+    assert type(converted[1]) is tritonbn.modules.SyncBatchNorm2d and converted[1].weight is weight
     assert type(plugin.revert(converted)[1]) is nn.BatchNorm2d
     trainer_cls = importlib.import_module(namespace).Trainer  # Lightning accepts it as its layer sync
     trainer = trainer_cls(accelerator="cpu", devices=1, plugins=[plugin], logger=False, enable_progress_bar=False)
@@ -48,7 +48,7 @@ def test_two_process_ddp_trainer(namespace):
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
     for r in ranks:
         assert r["world"] == 2
-        assert r["seen"] == ["SyncBatchNorm"] * 3, "the plugin converted before training"
+        assert r["seen"] == ["SyncBatchNorm1d"] * 3, "the plugin converted before training"
         assert r["after"] == "BatchNorm1d", "and reverted after it"
         assert int(r["num_batches_tracked"]) == 3
     for key in ("running_mean", "running_var"):
