@@ -12,6 +12,8 @@
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
 * :func:`accumulate_stats`: one running-statistics update per optimizer step under gradient accumulation.
 * :func:`join`: ranks with different numbers of batches, as torch's ``Join`` (DDP's) with tritonbn's BatchNorms.
+* :func:`patch_sync_batchnorm` / :func:`unpatch_sync_batchnorm`: the frameworks' own sync-BN switches (Ignite, fastai,
+  Lightning, mmengine, timm's train script) give tritonbn's layers.
 * :mod:`tritonbn.lightning`: the Lightning plugin ``TritonSyncBatchNorm`` (imported on first use).
 * :mod:`tritonbn.mmengine`: ``"TritonSyncBN"`` for OpenMMLab configs (imported on first use).
 
@@ -27,6 +29,7 @@ from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.groups import syncbn_group
 from tritonbn.modules import SyncBatchNorm
+from tritonbn.patching import patch_sync_batchnorm, unpatch_sync_batchnorm
 from tritonbn.running_stats import accumulate_stats, recalibrate_batchnorm, sync_running_stats
 from tritonbn.uneven import join
 
@@ -56,6 +59,8 @@ __all__ = [
     "recalibrate_batchnorm",
     "accumulate_stats",
     "join",
+    "patch_sync_batchnorm",
+    "unpatch_sync_batchnorm",
     "diagnose",
     "__version__",
 ]
