@@ -1,6 +1,8 @@
 """convert_sync_batchnorm and revert_sync_batchnorm: torch's BatchNorms, bias=False, subclasses, timm's layers."""
 
 import copy
+import io
+import pickle
 import warnings
 
 import pytest
@@ -278,3 +280,29 @@ def test_unconverted_timm_layer_is_recognised_by_structure_only():
         assert tritonbn.convert_sync_batchnorm(odd) is odd
     with pytest.warns(UserWarning, match="SyncBatchNormAct"):  # no act or drop: not timm's structure either
         assert type(tritonbn.convert_sync_batchnorm(SyncBatchNormAct(3))) is SyncBatchNormAct
+
+
+def test_kept_classes_survive_deepcopy_pickle_and_torch_save(monkeypatch):
+    """A converted layer that has run keeps its class (an nn.BatchNorm1d/2d/3d), its outputs and its way back
+    through deepcopy, pickle and torch.save of the whole model: the classes are importable, module-level."""
+    # The PyTorch backend: a layer that has run the Triton kernels under TRITON_INTERPRET=1 does not pickle
+    # whatever its class (its cached settings hold the interpreted kernel), a matter of its own.
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    torch.manual_seed(4)
+    model = tritonbn.convert_sync_batchnorm(nn.ModuleList([nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.BatchNorm3d(4)]))
+    inputs = [torch.randn(5, 4, 3), torch.randn(5, 4, 3, 2), torch.randn(5, 4, 2, 2, 2)]
+    for layer, x in zip(model, inputs, strict=True):
+        layer(x)  # has run: its settings are cached
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)]
+    kinds = [(SyncBatchNorm1d, nn.BatchNorm1d), (SyncBatchNorm2d, nn.BatchNorm2d), (SyncBatchNorm3d, nn.BatchNorm3d)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for copied in copies:
+        model.load_state_dict(state)  # the running statistics the copies were taken with
+        for layer, twin, x, (kept, torch_class) in zip(model, copied, inputs, kinds, strict=True):
+            assert type(twin) is kept and isinstance(twin, torch_class)
+            for mode in (True, False):
+                torch.testing.assert_close(twin.train(mode)(x), layer.train(mode)(x), atol=0, rtol=0)
+        assert [type(m) for m in tritonbn.revert_sync_batchnorm(copied)] == [c for _, c in kinds]
