@@ -340,15 +340,15 @@ def _synced(module: _BatchNorm, process_group, cls: type[SyncBatchNorm] = SyncBa
 def _converted(module: _BatchNorm, process_group) -> SyncBatchNorm:
     """The tritonbn module computing what ``module`` computes (see :func:`_why_not_converted`).
 
-    A plain BatchNorm stays an instance of its torch class (:data:`KEPT_CLASSES`); a timm norm-act layer is no
-    ``nn.BatchNorm2d``: code that rebuilds one from it (timm's ``freeze_batch_norm_2d``) would drop its activation.
+    A plain BatchNorm, and a timm norm-act layer without activation, stays an instance of its torch class
+    (:data:`KEPT_CLASSES`); one with an activation does not, as code that rebuilds an ``nn.BatchNorm2d`` from it
+    (timm's ``freeze_batch_norm_2d``) would drop that.
     """
+    kept = [ours for theirs, ours in KEPT_CLASSES.items() if isinstance(module, theirs)][:1]
     if not is_timm_norm_act(module):
-        kept = [ours for theirs, ours in KEPT_CLASSES.items() if isinstance(module, theirs)]
-        return _synced(module, process_group, *kept[:1])
-    fused = fused_activation(module)
-    if fused is not None:
-        return _synced(module, process_group, activation=fused[0], negative_slope=fused[1])
+        return _synced(module, process_group, *kept)
+    if (fused := fused_activation(module)) is not None:
+        return _synced(module, process_group, *kept * (fused[0] is None), activation=fused[0], negative_slope=fused[1])
     return _synced(module, process_group, SyncBatchNormAct, drop=module.drop, act=module.act)
 
 

@@ -139,7 +139,8 @@ def test_fastai_weight_decay_freeze_and_bn_freeze_treat_a_converted_model_as_the
 def test_timm_freeze_batch_norm_2d_freezes_a_converted_models_batchnorms():
     torch.manual_seed(3)
     layers = [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)]
-    model = _randomize(nn.Sequential(*layers, timm.BatchNormAct2d(4, act_layer=nn.SiLU)).double())
+    acts = [timm.BatchNormAct2d(4, act_layer=nn.SiLU), timm.BatchNormAct2d(4, apply_act=False)]
+    model = _randomize(nn.Sequential(*layers, *acts).double())
     reference = copy.deepcopy(model)
     frozen = timm.freeze_batch_norm_2d(tritonbn.convert_sync_batchnorm(model))
     frozen_reference = timm.freeze_batch_norm_2d(reference)
@@ -150,6 +151,9 @@ def test_timm_freeze_batch_norm_2d_freezes_a_converted_models_batchnorms():
     # before converting); as the tritonbn layer it is, it still computes the same in eval.
     assert isinstance(frozen[5], tritonbn.SyncBatchNorm) and frozen[5].activation == "silu"
     assert not isinstance(frozen[5], nn.BatchNorm2d)
+    # without an activation it converts to a SyncBatchNorm2d, which timm freezes (as a FrozenBatchNorm2d, where
+    # the unconverted one becomes a FrozenBatchNormAct2d with an Identity act: the same computation)
+    assert type(frozen[6]) is timm.FrozenBatchNorm2d and type(frozen_reference[6]) is timm.FrozenBatchNormAct2d
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
     torch.testing.assert_close(frozen.eval()(x), frozen_reference.eval()(x), atol=1e-12, rtol=1e-12)
     # frozen first, then converted: every layer frozen as in the unconverted model
