@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import sys
 import types
+import warnings
 
 from torch import nn
 
@@ -25,9 +26,8 @@ NAME = "convert_sync_batchnorm"
 # checked on mmengine 0.10.7 and timm 1.0.31. A framework that is not installed is left out.
 FRAMEWORKS = {"mmengine": "mmengine.model.utils", "timm": "timm.layers.norm_act"}
 
-_patched: dict | None = (
-    None  # while patched: {"replaced": [(owner, attribute, original)], "switches": {id: (switch, original)}}
-)
+# While patched: {"replaced": [(owner, attribute, original)], "switches": {id(switch): (original, switch)}}.
+_patched: dict | None = None
 
 
 def _torch_switch(cls, module: nn.Module, process_group=None) -> nn.Module:
@@ -53,13 +53,19 @@ def _switch(package: str, original):
 
 
 def _loaded(package: str, home: str) -> types.ModuleType | None:
-    """The module ``home`` of an installed ``package``, imported now; ``None`` where it is not installed or
-    cannot be imported (then nothing can call its converter either)."""
+    """The module ``home`` of an installed ``package``, imported now; ``None`` where it is not installed, or,
+    with a warning, where it cannot be imported (then nothing can call its converter either)."""
     if importlib.util.find_spec(package) is None:
         return None
     try:
         return importlib.import_module(home)
-    except Exception:  # such as timm beside a torchvision built for another torch
+    except Exception as error:  # such as timm beside a torchvision built for another torch
+        warnings.warn(
+            f"tritonbn.patch_sync_batchnorm: {package} is installed but {home} does not import "
+            f"({type(error).__name__}: {error}); its converter is left as it is",
+            UserWarning,
+            stacklevel=3,
+        )
         return None
 
 

@@ -94,6 +94,13 @@ def test_patch_routes_each_switch_to_tritonbn_and_unpatch_restores_exactly(monke
     assert type(nn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(2))) is nn.SyncBatchNorm, "torch's again"
 
 
+def test_a_framework_that_does_not_import_is_named_in_a_warning(monkeypatch, unpatched):
+    monkeypatch.setitem(patching.FRAMEWORKS, "timm_standin", "timm_standin.missing")  # as timm without torchvision
+    with pytest.warns(UserWarning, match="patch_sync_batchnorm: timm_standin is installed but timm_standin.missing"):
+        patched = tritonbn.patch_sync_batchnorm()
+    assert patched[0].endswith("SyncBatchNorm.convert_sync_batchnorm") and not any("timm" in p for p in patched)
+
+
 # --- fastai and timm: code that finds BatchNorms by class --------------------------------------------------------
 
 
