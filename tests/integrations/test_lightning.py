@@ -77,4 +77,4 @@ def test_two_process_ddp_trainer(namespace, mode):
             torch.testing.assert_close(r["state"][key], value, atol=1e-12, rtol=1e-10, msg=lambda m, k=key: f"{k}: {m}")
     for key in ("running_mean", "running_var"):
         assert torch.equal(ranks[0][key], ranks[1][key]), f"{key} differs across ranks"
-    assert not torch.equal(ranks[0]["running_mean"], torch.zeros(4)), "statistics were tracked"
+    assert not torch.equal(ranks[0]["running_mean"], torch.zeros(4, dtype=torch.float64)), "statistics were tracked"
