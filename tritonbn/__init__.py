@@ -13,6 +13,8 @@
 * :func:`accumulate_stats`: one running-statistics update per optimizer step under gradient accumulation.
 * :func:`explain`: which route (backend, path, synchronization) each BatchNorm layer of a model takes, and why.
 * :func:`join`: ranks with different numbers of batches, as torch's ``Join`` (DDP's) with tritonbn's BatchNorms.
+* :func:`patch_sync_batchnorm` / :func:`unpatch_sync_batchnorm`: the frameworks' own sync-BN switches (Ignite, fastai,
+  Lightning, mmengine, timm's train script) give tritonbn's layers.
 * :mod:`tritonbn.lightning`: the Lightning plugin ``TritonSyncBatchNorm`` (imported on first use).
 * :mod:`tritonbn.mmengine`: ``"TritonSyncBN"`` for OpenMMLab configs (imported on first use).
 
@@ -29,6 +31,7 @@ from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.groups import syncbn_group
 from tritonbn.modules import SyncBatchNorm
+from tritonbn.patching import patch_sync_batchnorm, unpatch_sync_batchnorm
 from tritonbn.running_stats import accumulate_stats, recalibrate_batchnorm, sync_running_stats
 from tritonbn.uneven import join
 
@@ -59,6 +62,8 @@ __all__ = [
     "accumulate_stats",
     "join",
     "explain",
+    "patch_sync_batchnorm",
+    "unpatch_sync_batchnorm",
     "diagnose",
     "__version__",
 ]

@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritonbn._norm_layers import PLAIN, fused_activation, move_state
 from tritonbn.activations import activation_of_module
-from tritonbn.modules import SyncBatchNorm, name_layers
+from tritonbn.modules import PLAIN_SYNCED, SyncBatchNorm, name_layers
 
 _ACT_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", torch.relu_: "relu", F.silu: "silu", F.leaky_relu: "leaky_relu"}
 _ACT_METHODS = {"relu": "relu", "relu_": "relu"}
@@ -96,7 +96,7 @@ def _is_add(node: fx.Node) -> bool:
 def _plain_batchnorm(module: nn.Module) -> bool:
     """A BatchNorm that computes batch norm and nothing after it."""
     if isinstance(module, SyncBatchNorm):
-        return type(module) is SyncBatchNorm and module.activation is None
+        return type(module) in PLAIN_SYNCED and module.activation is None
     return type(module) in PLAIN
 
 

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from tritonbn._core.call import LayerSettings, Operands, in_backward, settings_for
 from tritonbn._core.checks import check_inputs, check_momentum, mask_from_lengths
 from tritonbn._core.dispatch import run
-from tritonbn._core.lowering import script_error
+from tritonbn._core.lowering import exported_keywords, script_error
 from tritonbn._norm_layers import (
     PLAIN,
     bias_kwargs,
@@ -273,20 +273,22 @@ class SyncBatchNormAct(SyncBatchNorm):
         return y if mask is None else y.masked_fill(~mask.unsqueeze(1), 0)  # 0 after any activation too
 
 
-def exported_keywords(module: nn.Module, exported: tuple, mask, lengths) -> tuple:
-    """``(mask, lengths)`` of a call that ``torch.onnx.export(dynamo=False)`` makes on a bare layer.
+class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):
+    """A converted ``nn.BatchNorm1d``: a :class:`SyncBatchNorm` (its forward and checks first) that is still an
+    ``nn.BatchNorm1d``, for the code that finds BatchNorms by class (weight decay, freezing). No state of its own."""
 
-    That exporter fills in every parameter of ``forward`` that the example leaves out, keyword-only ones included,
-    positionally and in order (``_decide_input_format``): a layer exported alone is called ``forward(x, None, mask,
-    lengths)``. Those two take the place of the keywords there; anywhere else ``mask`` and ``lengths`` are
-    keyword-only, as the signature says.
-    """
-    if len(exported) > 2 or mask is not None or lengths is not None or not torch.onnx.is_in_onnx_export():
-        raise TypeError(
-            f"{type(module).__name__}.forward() takes the input (and, for SyncBatchNorm, a residual) positionally; "
-            f"pass mask= and lengths= by keyword (got {len(exported)} more positional arguments)"
-        )
-    return (*exported, None)[:2]
+
+class SyncBatchNorm2d(SyncBatchNorm, nn.BatchNorm2d):
+    """A converted ``nn.BatchNorm2d``, still an ``nn.BatchNorm2d`` (see :class:`SyncBatchNorm1d`)."""
+
+
+class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
+    """A converted ``nn.BatchNorm3d``, still an ``nn.BatchNorm3d`` (see :class:`SyncBatchNorm1d`)."""
+
+
+# A converted layer's class, by the torch class it is an instance of (not nn.SyncBatchNorm's: see docs/limits.md).
+KEPT_CLASSES = {nn.BatchNorm1d: SyncBatchNorm1d, nn.BatchNorm2d: SyncBatchNorm2d, nn.BatchNorm3d: SyncBatchNorm3d}
+PLAIN_SYNCED = (SyncBatchNorm, *KEPT_CLASSES.values())  # plain batch norm, no epilogue module (not SyncBatchNormAct)
 
 
 def trace_as_leaf(module: nn.Module, *args, **kwargs) -> fx.Proxy | None:
@@ -326,12 +328,17 @@ def _synced(module: _BatchNorm, process_group, cls: type[SyncBatchNorm] = SyncBa
 
 
 def _converted(module: _BatchNorm, process_group) -> SyncBatchNorm:
-    """The tritonbn module computing what ``module`` computes (see :func:`_why_not_converted`)."""
+    """The tritonbn module computing what ``module`` computes (see :func:`_why_not_converted`).
+
+    A plain BatchNorm, and a timm norm-act layer without activation, stays an instance of its torch class
+    (:data:`KEPT_CLASSES`); one with an activation does not, as code that rebuilds an ``nn.BatchNorm2d`` from it
+    (timm's ``freeze_batch_norm_2d``) would drop that.
+    """
+    kept = [ours for theirs, ours in KEPT_CLASSES.items() if isinstance(module, theirs)][:1]
     if not is_timm_norm_act(module):
-        return _synced(module, process_group)
-    fused = fused_activation(module)
-    if fused is not None:
-        return _synced(module, process_group, activation=fused[0], negative_slope=fused[1])
+        return _synced(module, process_group, *kept)
+    if (fused := fused_activation(module)) is not None:
+        return _synced(module, process_group, *kept * (fused[0] is None), activation=fused[0], negative_slope=fused[1])
     return _synced(module, process_group, SyncBatchNormAct, drop=module.drop, act=module.act)
 
 
@@ -365,8 +372,11 @@ def convert_sync_batchnorm(
 
     The new modules share the original parameters and buffers (so device, dtype,
     ``requires_grad`` and optimizer references are kept) and the training mode, and remember the
-    original class for :func:`revert_sync_batchnorm`. Other norms are left alone. Returns the
-    converted module (``module`` itself, changed in place, unless ``module`` is a batch norm).
+    original class for :func:`revert_sync_batchnorm`. Other norms, and tritonbn's own layers, are left
+    alone. Returns the converted module (``module`` itself, changed in place, unless ``module`` is a batch norm).
+
+    A converted ``nn.BatchNorm1d/2d/3d`` (or subclass) stays an instance of that class (:class:`SyncBatchNorm2d` and
+    its kin); a converted ``nn.SyncBatchNorm`` is a plain :class:`SyncBatchNorm` (DDP refuses CPU modules of torch's).
 
     Conversion never changes what a layer computes. A subclass that keeps torch's forward and has
     no children converts like its base class. timm's ``BatchNormAct2d`` and ``SyncBatchNormAct``

@@ -23,7 +23,7 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 PUBLIC = (
     "SyncBatchNorm convert_sync_batchnorm revert_sync_batchnorm syncbn_group sync_batch_norm"
     " fuse_batchnorm_activations fold_batchnorm sync_running_stats recalibrate_batchnorm accumulate_stats"
-    " join explain diagnose __version__"
+    " join explain patch_sync_batchnorm unpatch_sync_batchnorm diagnose __version__"
 ).split()
 KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
            "batch_norm_backward_elemt"]  # fmt: skip
@@ -43,6 +43,8 @@ IMPORT_PATHS = [
     ("tritonbn.uneven", "join"),
     ("tritonbn.backend", "ops_for"),
     ("tritonbn.export", "fold_batchnorm"),
+    ("tritonbn.patching", "patch_sync_batchnorm"),
+    ("tritonbn.modules", "SyncBatchNorm2d"),
 ]
 
 
@@ -102,7 +104,7 @@ FLOORS = [
     ("tritonbn._core",),
     ("tritonbn.functional", "tritonbn.modules", "tritonbn.convert"),
     ("tritonbn.fusion", "tritonbn.export", "tritonbn.diagnose", "tritonbn.running_stats", "tritonbn.uneven",
-     "tritonbn._explain", "tritonbn"),
+     "tritonbn._explain", "tritonbn.patching", "tritonbn"),
     ("tritonbn.cli", "tritonbn.integrations", "tritonbn.lightning", "tritonbn.mmengine", "tritonbn.__main__"),
 ]  # fmt: skip
 

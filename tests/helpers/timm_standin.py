@@ -4,7 +4,8 @@ timm cannot be installed next to the CPU torch here (it imports torchvision, who
 build), so these mirror ``timm/layers/norm_act.py`` in structure and behaviour: ``BatchNormAct2d``
 is a ``BatchNorm2d`` subclass with children ``drop`` and ``act`` applied after ``F.batch_norm``,
 ``SyncBatchNormAct`` an ``nn.SyncBatchNorm`` subclass that does the same, and ``timm_convert``
-what ``timm.layers.convert_sync_batchnorm`` does. tritonbn must recognise them by structure alone.
+what ``timm.layers.convert_sync_batchnorm`` does (also under that name, which timm's train script imports).
+tritonbn must recognise them by structure alone. ``freeze_batch_norm_2d`` is timm's, by the classes it tests.
 """
 
 from __future__ import annotations
@@ -196,3 +197,50 @@ class EfficientNetish(nn.Module):
         x = self.blocks(x)
         x = self.bn2(self.conv_head(x))
         return self.classifier(x.mean((2, 3)))
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """torchvision's ``FrozenBatchNorm2d`` (what timm freezes into): buffers only, ``x * scale + shift``."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        for name, fill in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+            self.register_buffer(name, torch.full((num_features,), fill))
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + self.eps).rsqrt()
+        shift = self.bias - self.running_mean * scale
+        return x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
+
+
+class FrozenBatchNormAct2d(FrozenBatchNorm2d):
+    """timm's ``FrozenBatchNormAct2d``: the frozen normalization, then ``drop`` and ``act``."""
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+def freeze_batch_norm_2d(module):
+    """timm 1.0's ``timm.layers.freeze_batch_norm_2d``, by the classes it tests with ``isinstance``: timm's
+    ``(BatchNormAct2d, SyncBatchNormAct)`` become a ``FrozenBatchNormAct2d`` with their ``drop`` and ``act``, then
+    ``(torch.nn.BatchNorm2d, torch.nn.SyncBatchNorm)`` a ``FrozenBatchNorm2d``; any other module is searched."""
+    if isinstance(module, (BatchNormAct2d, SyncBatchNormAct, nn.BatchNorm2d, nn.SyncBatchNorm)):
+        act = isinstance(module, (BatchNormAct2d, SyncBatchNormAct))
+        frozen = (FrozenBatchNormAct2d if act else FrozenBatchNorm2d)(module.num_features, module.eps)
+        frozen = frozen.to(module.running_mean.dtype)
+        if module.affine:
+            frozen.weight.copy_(module.weight.detach())
+            frozen.bias.copy_(module.bias.detach())
+        frozen.running_mean, frozen.running_var = module.running_mean, module.running_var
+        if act:
+            frozen.drop, frozen.act = module.drop, module.act
+        return frozen
+    for name, child in module.named_children():
+        new = freeze_batch_norm_2d(child)
+        if new is not child:
+            module.add_module(name, new)
+    return module
+
+
+convert_sync_batchnorm = timm_convert  # the name timm's train script imports from timm.layers

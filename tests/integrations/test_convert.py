@@ -1,6 +1,8 @@
 """convert_sync_batchnorm and revert_sync_batchnorm: torch's BatchNorms, bias=False, subclasses, timm's layers."""
 
 import copy
+import io
+import pickle
 import warnings
 
 import pytest
@@ -9,6 +11,7 @@ from timm_standin import BatchNormAct2d, DropBlockish, EfficientNetish, Inverted
 from torch import nn
 
 import tritonbn
+from tritonbn.modules import SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 
 class Block(nn.Module):
@@ -38,8 +41,16 @@ def test_convert_and_revert_keep_everything():
     converted = tritonbn.convert_sync_batchnorm(model, process_group=group)
     bns = ["bn", "inner.0", "head", "synced"]
     modules = dict(converted.named_modules())
+    kept = {
+        "bn": SyncBatchNorm2d,
+        "inner.0": SyncBatchNorm3d,
+        "head": SyncBatchNorm1d,
+        "synced": tritonbn.SyncBatchNorm,
+    }
     for name in bns:
-        assert type(modules[name]) is tritonbn.SyncBatchNorm, name
+        assert type(modules[name]) is kept[name], name
+        assert isinstance(modules[name], tritonbn.SyncBatchNorm), name
+        assert isinstance(modules[name], originals[name]) == (name != "synced"), "an instance of the class it replaced"
         assert modules[name].process_group is group
     for name in ["conv", "inner.1", "inner.2", "ln"]:
         assert type(modules[name]) is originals[name], "other modules are left alone"
@@ -55,7 +66,7 @@ def test_convert_and_revert_keep_everything():
     assert converted.bn.running_mean.dtype == torch.float64
     assert {k: v for k, v in converted.state_dict().items()}.keys() == state.keys()
 
-    assert type(tritonbn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))) is tritonbn.SyncBatchNorm
+    assert type(tritonbn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3))) is SyncBatchNorm1d
 
     reverted = tritonbn.revert_sync_batchnorm(converted)
     modules = dict(reverted.named_modules())
@@ -72,7 +83,7 @@ def test_convert_and_revert_keep_everything():
 def test_convert_a_bare_batchnorm_and_revert_a_direct_module():
     bn = nn.BatchNorm3d(4)
     converted = tritonbn.convert_sync_batchnorm(bn)
-    assert type(converted) is tritonbn.SyncBatchNorm and converted.weight is bn.weight
+    assert type(converted) is SyncBatchNorm3d and converted.weight is bn.weight
     assert type(tritonbn.revert_sync_batchnorm(converted)) is nn.BatchNorm3d
     direct = tritonbn.SyncBatchNorm(4)
     assert type(tritonbn.revert_sync_batchnorm(direct)) is nn.BatchNorm2d
@@ -188,8 +199,11 @@ def test_timm_norm_act_conversion_computes_the_same(blocks, timm_synced):
         act, drop = original.act, original.drop
         fusable = type(drop) is nn.Identity and type(act) in (nn.ReLU, nn.LeakyReLU, nn.SiLU, nn.Identity)
         if fusable:
-            assert type(m) is tritonbn.SyncBatchNorm, name
             want = {nn.ReLU: "relu", nn.LeakyReLU: "leaky_relu", nn.SiLU: "silu", nn.Identity: None}[type(act)]
+            # without an activation it computes what its class computes, and an nn.BatchNorm2d stays one (timm's
+            # SyncBatchNormAct, an nn.SyncBatchNorm, becomes a plain SyncBatchNorm); with one it is no BatchNorm2d
+            plain = want is None and issubclass(cls, nn.BatchNorm2d)
+            assert type(m) is (SyncBatchNorm2d if plain else tritonbn.SyncBatchNorm), name
             assert m.activation == want, name
             if want == "leaky_relu":
                 assert m.negative_slope == act.negative_slope == 0.3
@@ -248,7 +262,8 @@ def test_subclasses_that_compute_something_else_are_left_alone_with_one_warning(
         assert name in message, message
     assert "2 (Renamed" not in message and "4 (" not in message
     kinds = [type(m).__name__ for m in converted]
-    assert kinds == ["Doubled", "Sequential", "SyncBatchNorm", "Custom", "SyncBatchNorm"]
+    assert kinds == ["Doubled", "Sequential", "SyncBatchNorm2d", "Custom", "SyncBatchNorm2d"]
+    assert isinstance(converted[2], nn.BatchNorm2d) and not isinstance(converted[2], Renamed), "its torch class"
     assert converted[2].eps == 1e-3
     assert tritonbn.revert_sync_batchnorm(converted)[2] is renamed
 
@@ -268,3 +283,29 @@ def test_unconverted_timm_layer_is_recognised_by_structure_only():
         assert tritonbn.convert_sync_batchnorm(odd) is odd
     with pytest.warns(UserWarning, match="SyncBatchNormAct"):  # no act or drop: not timm's structure either
         assert type(tritonbn.convert_sync_batchnorm(SyncBatchNormAct(3))) is SyncBatchNormAct
+
+
+def test_kept_classes_survive_deepcopy_pickle_and_torch_save(monkeypatch):
+    """A converted layer that has run keeps its class (an nn.BatchNorm1d/2d/3d), its outputs and its way back
+    through deepcopy, pickle and torch.save of the whole model: the classes are importable, module-level."""
+    # The PyTorch backend: a layer that has run the Triton kernels under TRITON_INTERPRET=1 does not pickle
+    # whatever its class (its cached settings hold the interpreted kernel), a matter of its own.
+    monkeypatch.setenv("TRITONBN_BACKEND", "torch")
+    torch.manual_seed(4)
+    model = tritonbn.convert_sync_batchnorm(nn.ModuleList([nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.BatchNorm3d(4)]))
+    inputs = [torch.randn(5, 4, 3), torch.randn(5, 4, 3, 2), torch.randn(5, 4, 2, 2, 2)]
+    for layer, x in zip(model, inputs, strict=True):
+        layer(x)  # has run: its settings are cached
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)]
+    kinds = [(SyncBatchNorm1d, nn.BatchNorm1d), (SyncBatchNorm2d, nn.BatchNorm2d), (SyncBatchNorm3d, nn.BatchNorm3d)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for copied in copies:
+        model.load_state_dict(state)  # the running statistics the copies were taken with
+        for layer, twin, x, (kept, torch_class) in zip(model, copied, inputs, kinds, strict=True):
+            assert type(twin) is kept and isinstance(twin, torch_class)
+            for mode in (True, False):
+                torch.testing.assert_close(twin.train(mode)(x), layer.train(mode)(x), atol=0, rtol=0)
+        assert [type(m) for m in tritonbn.revert_sync_batchnorm(copied)] == [c for _, c in kinds]

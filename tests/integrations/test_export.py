@@ -413,7 +413,7 @@ def test_fold_batchnorm(convert, backend_name):
     net = FoldNet()
     if convert:
         net = tritonbn.convert_sync_batchnorm(net)
-        assert type(net.bn4) is SyncBatchNormAct and type(net.bn3) is tritonbn.SyncBatchNorm
+        assert type(net.bn4) is SyncBatchNormAct and type(net.bn3) is tritonbn.modules.SyncBatchNorm2d
     with torch.no_grad():
         for m in net.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -76,8 +76,12 @@ def test_missing_mmengine_names_tritonbn(monkeypatch):
 
 
 def test_what_mmengine_runner_helpers_do_with_tritonbn_layers():
-    """What the README says: revert_sync_batchnorm (the Runner, not distributed) keeps tritonbn layers;
-    convert_sync_batchnorm (the Runner's sync_bn="torch") turns them into torch.nn.SyncBatchNorm."""
+    """What the docs say: revert_sync_batchnorm (the Runner, not distributed) keeps tritonbn layers;
+    convert_sync_batchnorm (the Runner's and its strategies' sync_bn="torch") turns them into torch.nn.SyncBatchNorm,
+    unless tritonbn.patch_sync_batchnorm() was called: then it converts BatchNorms to tritonbn's, keeping tritonbn's."""
+    import mmengine._strategy.distributed
+    import mmengine.runner.runner
+
     import tritonbn.mmengine  # noqa: F401
 
     model = MODELS.build(dict(type="TritonBNTinyNet", norm_cfg=dict(type="TritonSyncBN")))
@@ -85,6 +89,19 @@ def test_what_mmengine_runner_helpers_do_with_tritonbn_layers():
     assert type(kept.stem.bn) is tritonbn.SyncBatchNorm and type(kept.block.bn) is tritonbn.SyncBatchNorm
     replaced = convert_sync_batchnorm(model, "torch")
     assert type(replaced.stem.bn) is nn.SyncBatchNorm and type(replaced.block.bn) is nn.SyncBatchNorm
+
+    tritonbn.patch_sync_batchnorm()
+    try:
+        for switch in (mmengine.runner.runner.convert_sync_batchnorm,  # the names the Runner and its strategy call
+                       mmengine._strategy.distributed.convert_sync_batchnorm):  # fmt: skip
+            model = MODELS.build(dict(type="TritonBNTinyNet", norm_cfg=dict(type="TritonSyncBN")))
+            ours = model.stem.bn
+            assert switch(model, "torch").stem.bn is ours
+            plain = switch(MODELS.build(dict(type="TritonBNTinyNet", norm_cfg=dict(type="BN"))), "torch")
+            assert type(plain.stem.bn) is type(plain.block.bn) is tritonbn.modules.SyncBatchNorm2d
+    finally:
+        tritonbn.unpatch_sync_batchnorm()
+    assert type(mmengine.runner.runner.convert_sync_batchnorm(model, "torch").stem.bn) is nn.SyncBatchNorm
 
 
 PER_RANK, STEPS, LR = 3, 3, 0.1

@@ -178,3 +178,19 @@ def script_error(module: nn.Module) -> RuntimeError:
         "Use torch.jit.trace, torch.export or torch.onnx.export on the model in eval mode (they record torch's own "
         "batch_norm), or script tritonbn.fold_batchnorm(model.eval()) or tritonbn.revert_sync_batchnorm(model)"
     )
+
+
+def exported_keywords(module, exported: tuple, mask, lengths) -> tuple:
+    """``(mask, lengths)`` of a call that ``torch.onnx.export(dynamo=False)`` makes on a bare layer.
+
+    That exporter fills in every parameter of ``forward`` that the example leaves out, keyword-only ones included,
+    positionally and in order (``_decide_input_format``): a layer exported alone is called ``forward(x, None, mask,
+    lengths)``. Those two take the place of the keywords there; anywhere else ``mask`` and ``lengths`` are
+    keyword-only, as the signature says.
+    """
+    if len(exported) > 2 or mask is not None or lengths is not None or not torch.onnx.is_in_onnx_export():
+        raise TypeError(
+            f"{type(module).__name__}.forward() takes the input (and, for SyncBatchNorm, a residual) positionally; "
+            f"pass mask= and lengths= by keyword (got {len(exported)} more positional arguments)"
+        )
+    return (*exported, None)[:2]

@@ -6,10 +6,11 @@
 :class:`TritonSyncBatchNorm` is a ``LayerSync`` plugin: Lightning calls ``apply`` (which is
 :func:`tritonbn.convert_sync_batchnorm`) before fitting and ``revert``
 (:func:`tritonbn.revert_sync_batchnorm`) after it. Unlike Lightning's ``sync_batchnorm=True``
-it works on CPU (gloo) too. Lightning accepts a plugin only from its own namespace, so the class
-derives from the ``LayerSync`` of every namespace installed, ``lightning.pytorch`` and
-``pytorch_lightning``, and either kind of ``Trainer`` takes it. This module imports Lightning;
-``import tritonbn`` does not.
+it works on CPU (gloo) too (so does that switch after :func:`tritonbn.patch_sync_batchnorm`, which makes it
+convert to tritonbn, though Lightning then reverts only torch's layers after fitting). Lightning accepts a
+plugin only from its own namespace, so the class derives from the ``LayerSync`` of every namespace installed,
+``lightning.pytorch`` and ``pytorch_lightning``, and either kind of ``Trainer`` takes it. This module imports
+Lightning; ``import tritonbn`` does not.
 """
 
 from __future__ import annotations

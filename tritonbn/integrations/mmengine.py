@@ -15,7 +15,9 @@ does not.
 mmengine's Runner leaves tritonbn layers alone when it is not distributed (its
 ``revert_sync_batchnorm`` only reverts ``torch.nn.SyncBatchNorm`` and mmcv's ``SyncBatchNorm``), but
 its ``sync_bn="torch"`` option (``mmengine.model.convert_sync_batchnorm``) replaces every
-BatchNorm, tritonbn's included, by ``torch.nn.SyncBatchNorm``: leave ``sync_bn`` unset.
+BatchNorm, tritonbn's included, by ``torch.nn.SyncBatchNorm``, unless :func:`tritonbn.patch_sync_batchnorm`
+was called first: then it converts plain ``BN`` layers to tritonbn's and keeps these. Without it, leave
+``sync_bn`` unset.
 """
 
 from __future__ import annotations
