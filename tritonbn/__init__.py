@@ -11,6 +11,7 @@
   repair BatchNorm statistics that drifted apart across ranks.
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
 * :func:`accumulate_stats`: one running-statistics update per optimizer step under gradient accumulation.
+* :func:`check`, :class:`OutOfStepError`: ranks that call their BatchNorms out of step (:mod:`tritonbn.lockstep`).
 * :func:`join`: ranks with different numbers of batches, as torch's ``Join`` (DDP's) with tritonbn's BatchNorms.
 * :mod:`tritonbn.lightning`: the Lightning plugin ``TritonSyncBatchNorm`` (imported on first use).
 * :mod:`tritonbn.mmengine`: ``"TritonSyncBN"`` for OpenMMLab configs (imported on first use).
@@ -26,6 +27,7 @@ from tritonbn.export import fold_batchnorm
 from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.groups import syncbn_group
+from tritonbn.lockstep import OutOfStepError, check
 from tritonbn.modules import SyncBatchNorm
 from tritonbn.running_stats import accumulate_stats, recalibrate_batchnorm, sync_running_stats
 from tritonbn.uneven import join
@@ -56,6 +58,8 @@ __all__ = [
     "recalibrate_batchnorm",
     "accumulate_stats",
     "join",
+    "check",
+    "OutOfStepError",
     "diagnose",
     "__version__",
 ]
