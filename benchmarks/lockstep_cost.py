@@ -6,6 +6,8 @@ Per step, the 106 BatchNorm collectives of one ResNet-50 training step (53 layer
 ``tritonbn/cli/resnet50.py``; forward in layer order, backward reversed), in three forms:
 
 * ``before``: what tritonbn sent before the check: 2C+1 float64 forward, 2C float32 backward, plain all-reduces;
+* ``sizes``: plain all-reduces of the checked messages' sizes (2C+3 float64 each pass), without the check's host
+  code: what the bytes alone cost;
 * ``checked`` (what tritonbn sends now): the real code, :func:`tritonbn.lockstep.all_reduce_stats` and
   :func:`~tritonbn.lockstep.all_reduce_sums`, 2C+3 float64 each pass: the copy into the message, the all-reduce,
   the host check of the two identity slots, the backward's sums rounded back to float32;
@@ -32,14 +34,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scaling import resnet50_channels  # noqa: E402
 
-FORMS = ("before", "checked", "padded")
+FORMS = ("before", "sizes", "checked", "padded")
 
 
 def _bytes(form: str, channels) -> int:
     widest = max(channels)
     if form == "before":
         return sum(8 * (2 * c + 1) + 4 * 2 * c for c in channels)
-    if form == "checked":
+    if form in ("sizes", "checked"):
         return sum(2 * 8 * (2 * c + 3) for c in channels)
     return len(channels) * 2 * 8 * (2 * widest + 3)
 
@@ -52,6 +54,8 @@ def _step(form: str, channels, group) -> None:
         stats = torch.ones(2 * c + 1, dtype=torch.float64)
         if form == "before":
             dist.all_reduce(stats, group=group)
+        elif form == "sizes":
+            dist.all_reduce(torch.ones(2 * c + 3, dtype=torch.float64), group=group)
         elif form == "checked":
             all_reduce_stats(stats, group, f"layer{i}")
         else:
@@ -62,6 +66,8 @@ def _step(form: str, channels, group) -> None:
         sums = torch.ones(2, c, dtype=torch.float32)
         if form == "before":
             dist.all_reduce(sums, group=group)
+        elif form == "sizes":
+            dist.all_reduce(torch.ones(2 * c + 3, dtype=torch.float64), group=group)
         elif form == "checked":
             all_reduce_sums(sums, group, f"layer{i}")
         else:

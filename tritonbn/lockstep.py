@@ -57,7 +57,7 @@ class OutOfStepError(RuntimeError):
 class _Call:
     """One kind of call (layer, pass, channels) on one group and device: its message tail, and how it is checked."""
 
-    __slots__ = ("tail", "world", "code", "text")
+    __slots__ = ("tail", "world", "code", "text", "launch")
 
     def __init__(self, name: str, where: str, C: int, group, device: torch.device) -> None:
         world = dist.get_world_size(group)
@@ -71,6 +71,7 @@ class _Call:
         layer = f"layer {name!r}" if name else "a functional call"
         self.text = f"the {where} all-reduce of {layer} (C={C})"
         self.code = len(_calls_by_code) + 1  # this rank's device flag names it
+        self.launch = None  # the device check's launch, found at the first message on a GPU
         _calls_by_code.append(self.text)
 
 
@@ -110,9 +111,11 @@ def _checked(message: torch.Tensor, call: _Call) -> None:
     flag = _flags.get(message.device)
     if flag is None:
         flag = _flags[message.device] = torch.zeros(1, dtype=torch.int64, device=message.device)
-    from tritonbn.backends.triton.lockstep import check_message  # the GPU's: Triton is there
+    if call.launch is None:
+        from tritonbn.backends.triton.lockstep import check_launch  # the GPU's: Triton is there
 
-    check_message(message, flag, call.world, call.code)
+        call.launch = check_launch(message.numel(), call.world, call.code)
+    call.launch(message, flag)
 
 
 def all_reduce_stats(stats: torch.Tensor, group, name: str) -> torch.Tensor:
@@ -139,7 +142,7 @@ def all_reduce_sums(sums: torch.Tensor, group, name: str) -> torch.Tensor:
     dist.all_reduce(message, op=dist.ReduceOp.SUM, group=group)
     _checked(message, call)
     summed = message[: 2 * C].view(2, C)
-    return summed if summed.dtype == sums.dtype else summed.to(sums.dtype)
+    return summed if summed.dtype == sums.dtype else sums.copy_(summed)  # rounded back, into the local sums
 
 
 def check() -> None:

@@ -8,9 +8,10 @@ running statistics alone), and notes ``code`` in ``flag`` unless an earlier mism
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from tritonbn.backends.triton._launch import Launch
 
 
 @triton.jit
@@ -37,6 +38,10 @@ def _check_message_kernel(
         tl.store(flag_ptr, tl.where(old == 0, code, old).to(tl.int64))
 
 
-def check_message(message: torch.Tensor, flag: torch.Tensor, world: int, code: int) -> None:
-    """Check ``message``'s identity slots over ``world`` ranks on its device (one launch, no host read)."""
-    _check_message_kernel[(1,)](message, flag, message.numel(), world, code, BLOCK=1024)
+def check_launch(n: int, world: int, code: int) -> Launch:
+    """The check of an ``n``-long message over ``world`` ranks, noting ``code``: ``launch(message, flag)``, one
+    program, launched as the passes' kernels are (:mod:`~tritonbn.backends.triton._launch`: a few microseconds of
+    host time once found). ``message`` is a fresh allocation, aligned; ``flag`` (torch's) is the pointer read."""
+    return Launch(
+        _check_message_kernel, (1, 1), (n, world, code), {"BLOCK": 1024}, num_warps=4, pointers=2, checked=(1,)
+    )
