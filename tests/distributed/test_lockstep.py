@@ -207,6 +207,35 @@ def _mismatch(rank, world, case) -> dict:
     return {"error": error, "changed": changed, "after": t.item(), "nbt": int(model["a"].num_batches_tracked)}
 
 
+class _Heads(nn.Module):
+    """A trunk and two heads; ``use_h`` decides whether head ``h``'s output reaches the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.m = nn.Conv2d(C, C, 1), _layers()
+
+    def forward(self, x, use_h: bool):
+        z = self.m["a"](self.conv(x))
+        loss, head = (self.m["b"](z) ** 2).sum(), self.m["h"](z)
+        return loss + head.sum() if use_h else loss
+
+
+def _ddp_unused_head(rank, world) -> dict:
+    """Under DDP with ``find_unused_parameters=True``, the last rank's loss leaves head ``h`` out: before the check,
+    gloo aborted a rank (the head's backward message met another layer's, or DDP's own)."""
+    ddp = nn.parallel.DistributedDataParallel(_Heads(), find_unused_parameters=True)
+    xs, _ = _global(world, 0, salt=4)
+    ddp(xs[rank].float(), use_h=True).backward()  # a matching step
+    try:
+        ddp(xs[rank].float(), use_h=rank != world - 1).backward()
+        error = None
+    except tritonbn.OutOfStepError as e:
+        error = str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"error": error, "after": t.item()}
+
+
 def _on_device(rank, world) -> dict:
     """The GPU's form of the check, on CPU tensors (the Triton kernel under the interpreter): the swapped step
     raises nothing; its outputs are NaN, its running statistics stay; :func:`tritonbn.check` raises on every rank."""
@@ -237,6 +266,8 @@ def _rank_all(rank, world, out_dir, backend):
     results = {"legal": _legal(rank, world, debug=False), "legal, debug": _legal(rank, world, debug=True)}
     for case in MISMATCHES:
         results[case] = _mismatch(rank, world, case)
+    if backend == "torch":  # one backend: the rows above cover both
+        results["ddp"] = _ddp_unused_head(rank, world)
     if backend == "triton":
         results["on device"] = _on_device(rank, world)
     save_rank(out_dir, rank, results)
@@ -279,6 +310,16 @@ def test_out_of_step_raises_on_every_rank(ranks, case):
         assert g["after"] == world
         assert g["nbt"] == 2 + ("a" in MATCHED.get(case, "")), "num_batches_tracked counts the good steps"
         assert any(f"all-reduce of layer '{k}' (C={C}) on this rank" in g["error"] for k in "abh"), g["error"]
+
+
+def test_unused_head_under_ddp_raises_on_every_rank(ranks):
+    world, backend, seen = ranks
+    if backend != "torch":
+        pytest.skip("run on the PyTorch backend (the backward rows above run on both)")
+    for rank, r in enumerate(seen):
+        error = r["ddp"]["error"]
+        assert error is not None and "ranks out of step at the backward all-reduce" in error, f"rank {rank}: {error}"
+        assert r["ddp"]["after"] == world
 
 
 def test_device_check_poisons_and_reports(ranks):
