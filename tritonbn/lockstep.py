@@ -20,7 +20,8 @@ right answer in both passes). Messages of different channel counts still differ 
 What a mismatch does, with every rank alike:
 
 * messages on the CPU (the PyTorch backend, the Triton kernels under the interpreter): reading the two slots costs
-  nothing there, so every rank raises :class:`OutOfStepError` before any output or buffer is written;
+  nothing there, so every rank raises :class:`OutOfStepError` before any output or buffer is written, naming what
+  each rank called (gathered on the error path alone, where every rank is at the same collective);
 * messages on a GPU: nothing is read on the host. One small kernel compares the slots on the device and, on a
   mismatch, writes NaN over the whole message and notes the call in a device flag. The forward kernel then outputs
   NaN and leaves the running statistics and ``num_batches_tracked`` as they were (a NaN count is not positive), the
@@ -57,7 +58,7 @@ class OutOfStepError(RuntimeError):
 class _Call:
     """One kind of call (layer, pass, channels) on one group and device: its message tail, and how it is checked."""
 
-    __slots__ = ("tail", "world", "code", "text", "launch")
+    __slots__ = ("tail", "world", "code", "text", "launch", "fields")
 
     def __init__(self, name: str, where: str, C: int, group, device: torch.device) -> None:
         world = dist.get_world_size(group)
@@ -69,6 +70,7 @@ class _Call:
         self.tail = torch.tensor([0.0] * pad + [f, f * f], dtype=torch.float64, device=device)
         self.world = world
         layer = f"layer {name!r}" if name else "a functional call"
+        self.fields = {"pass": where, "layer": layer, "C": C}  # what the CPU's error compares across ranks
         self.text = f"the {where} all-reduce of {layer} (C={C})"
         self.code = len(_calls_by_code) + 1  # this rank's device flag names it
         self.launch = None  # the device check's launch, found at the first message on a GPU
@@ -88,25 +90,41 @@ def _call(name: str, where: str, C: int, group, device: torch.device) -> _Call:
     return call
 
 
-def _error(text: str, later: bool = False) -> OutOfStepError:
+def _error(text: str, later: bool = False, ranks: str = "") -> OutOfStepError:
     when = "found on the device at" if later else "at"
+    what = ranks or (
+        "another rank sent a different call to this collective (another layer, the other pass, or another channel "
+        "count)"
+    )
     return OutOfStepError(
-        f"tritonbn: ranks out of step {when} {text} on this rank: another rank sent a different call to this "
-        "collective (another layer, the other pass, or another channel count). Every rank of the process group must "
+        f"tritonbn: ranks out of step {when} {text} on this rank: {what}.\nEvery rank of the process group must "
         "call the same SyncBatchNorm layers in the same order and mode (train/eval); a layer whose output reaches "
         "the loss on some ranks only (an unused head) must reach it on every rank. "
         + ("Its outputs were NaN and its running statistics were left as they were. " if later else "Nothing was "
            "updated. ")
-        + "TRITONBN_DEBUG=1 shows what each rank was doing"
+        + "TRITONBN_DEBUG=1 checks every call before its collective"
     )  # fmt: skip
 
 
-def _checked(message: torch.Tensor, call: _Call) -> None:
+def _what_differs(group, call: _Call) -> str:
+    """Each rank's call, gathered on the error path alone (every rank found the mismatch at this same collective, so
+    every rank joins the gather): ``"ranks disagree on layer: rank 0: ..., rank 1: ..."``."""
+    fields: list = [None] * call.world
+    dist.all_gather_object(fields, call.fields, group=group)
+    differ = [k for k in call.fields if len({repr(f[k]) for f in fields}) > 1]
+    same: dict[str, list[int]] = {}
+    for rank, f in enumerate(fields):
+        same.setdefault(f"the {f['pass']} all-reduce of {f['layer']} (C={f['C']})", []).append(rank)
+    lines = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}" for text, r in same.items()]
+    return f"ranks disagree on {', '.join(differ) or 'the call'}:\n  " + "\n  ".join(lines)
+
+
+def _checked(message: torch.Tensor, call: _Call, group) -> None:
     """Compare the identity slots of a summed message: raise here (host-checked devices) or poison it on the device."""
     if message.device.type in host_checked:
         s1, s2 = message[-TAIL:].tolist()
         if s1 * s1 != call.world * s2:
-            raise _error(call.text)
+            raise _error(call.text, ranks=_what_differs(group, call))
         return
     flag = _flags.get(message.device)
     if flag is None:
@@ -127,7 +145,7 @@ def all_reduce_stats(stats: torch.Tensor, group, name: str) -> torch.Tensor:
     call = _call(name, FORWARD, (stats.numel() - 1) // 2, group, stats.device)
     message = torch.cat((stats, call.tail))
     dist.all_reduce(message, op=dist.ReduceOp.SUM, group=group)
-    _checked(message, call)
+    _checked(message, call, group)
     return message[:-TAIL]
 
 
@@ -140,7 +158,7 @@ def all_reduce_sums(sums: torch.Tensor, group, name: str) -> torch.Tensor:
     call = _call(name, BACKWARD, C, group, sums.device)
     message = torch.cat((sums.reshape(-1), call.tail))  # float64: the tail's dtype wins
     dist.all_reduce(message, op=dist.ReduceOp.SUM, group=group)
-    _checked(message, call)
+    _checked(message, call, group)
     summed = message[: 2 * C].view(2, C)
     return summed if summed.dtype == sums.dtype else sums.copy_(summed)  # rounded back, into the local sums
 

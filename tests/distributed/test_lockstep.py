@@ -32,6 +32,23 @@ MISMATCHES = ("swap", "skip, forward only", "eval, forward only", "skip with bac
               "unused head")  # fmt: skip
 # The layers whose forward the ranks still called in step before the mismatch: those rightly updated their statistics.
 MATCHED = {"skip with backward": "a", "eval with backward": "a", "unused head": "abh"}
+# What every rank's error says differed, and what the last rank was doing (the others: what the first rank was).
+DIFFERS = {
+    "swap": ("layer", "the forward all-reduce of layer 'b'", "the forward all-reduce of layer 'a'"),
+    "skip, forward only": ("layer", "the forward all-reduce of layer 'b'", "the forward all-reduce of layer 'a'"),
+    "eval, forward only": ("layer", "the forward all-reduce of layer 'b'", "the forward all-reduce of layer 'a'"),
+    "skip with backward": (
+        "pass, layer",
+        "the backward all-reduce of layer 'a'",
+        "the forward all-reduce of layer 'b'",
+    ),
+    "eval with backward": (
+        "pass, layer",
+        "the backward all-reduce of layer 'a'",
+        "the forward all-reduce of layer 'b'",
+    ),
+    "unused head": ("layer", "the backward all-reduce of layer 'b'", "the backward all-reduce of layer 'h'"),
+}
 
 
 def _shapes(world: int, step: int):
@@ -305,6 +322,11 @@ def test_out_of_step_raises_on_every_rank(ranks, case):
         assert g["error"] is not None, f"{case}: rank {rank} did not raise"
         assert g["error"].startswith("tritonbn: ranks out of step at the "), g["error"]
         assert "TRITONBN_DEBUG=1" in g["error"] and "Nothing was updated" in g["error"], g["error"]
+        differ, last, others = DIFFERS[case]
+        ranks = "ranks 0, 1" if world == 3 else "rank 0"
+        said = f"ranks disagree on {differ}:\n  {ranks}: {others} (C={C})\n  rank {world - 1}: {last} (C={C}).\n"
+        assert said in g["error"], (said, g["error"])
+        assert g["error"].partition("on this rank: ")[2] == got[0]["error"].partition("on this rank: ")[2]
         matched = sorted(k for k in _buffers(_layers()) if k[0] in MATCHED.get(case, ""))
         assert sorted(g["changed"]) == matched, f"{case}: rank {rank} changed {g['changed']}, not {matched}"
         assert g["after"] == world
