@@ -14,8 +14,10 @@ Per step, the 106 BatchNorm collectives of one ResNet-50 training step (53 layer
 * ``padded``: the option against different channel counts: every message of the group as wide as its widest layer
   (2 * 2048 + 3 float64), the same check.
 
-The forms alternate round by round (so drift on a shared machine hits all three alike); each round times ``--steps``
-steps per form, each step the slowest rank's; reported: the median over rounds of the per-round median.
+The forms alternate round by round (so drift on a shared machine hits them alike); each round times ``--steps``
+steps per form, each step the slowest rank's; reported: the median over rounds of the per-round median, and rank 0's
+CPU time per step (median): on an oversubscribed machine the wall time of a step also pays for every time slice a
+rank loses to other processes, the more so the more Python it runs between collectives.
 """
 
 from __future__ import annotations
@@ -85,14 +87,16 @@ def _worker(rank: int, world: int, init: str, rounds: int, steps: int, out: str)
         for _ in range(2):
             _step(form, channels, group)
     per_round = {form: [] for form in FORMS}
+    cpu = {form: [] for form in FORMS}  # this process's CPU time per step (its own threads and gloo's)
     for _ in range(rounds):
         for form in FORMS:
             times = torch.zeros(steps, dtype=torch.float64)
             for s in range(steps):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 _step(form, channels, group)
                 times[s] = time.perf_counter() - t0
+                cpu[form].append(time.process_time() - c0)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             per_round[form].append(statistics.median(times.tolist()))
     if rank == 0:
@@ -103,7 +107,8 @@ def _worker(rank: int, world: int, init: str, rounds: int, steps: int, out: str)
             q = statistics.quantiles(per_round[form], n=4)
             lines.append(
                 f"{form:8s} {_bytes(form, channels):>10,} B/step  {med * 1e3:7.2f} ms/step "
-                f"(quartiles {q[0] * 1e3:.2f}-{q[2] * 1e3:.2f})  x{med / base:.3f}"
+                f"(quartiles {q[0] * 1e3:.2f}-{q[2] * 1e3:.2f})  x{med / base:.3f}  "
+                f"CPU {statistics.median(cpu[form]) * 1e3:6.2f} ms/step (rank 0)"
             )
         with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
