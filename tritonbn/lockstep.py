@@ -4,7 +4,7 @@ Every rank of a process group must call its synchronized BatchNorms in the same 
 does not (layers called in another order or skipped, a layer in eval on one rank only, a head whose output reaches the
 loss on one rank only) pairs its all-reduce with another call's. When the two messages have the same size, the sums
 of different layers or passes would mix silently; so each message ends with two float64 slots, ``[f | f*f]``, where
-``f`` is a small integer fingerprint of the call (the layer's identity, the pass, the channel count). After the SUM
+``f`` is a small integer fingerprint of the call (its layer's qualified name, pass, channel count). After the SUM
 over the ``W`` ranks of the group, ``S1 = sum f`` and ``S2 = sum f^2`` satisfy ``S1^2 == W * S2`` exactly when every
 rank sent the same ``f`` (the equality case of Cauchy-Schwarz). Every rank holds the same sums, so every rank reaches
 the same verdict, with no extra collective. ``f`` stays below ``2^b`` with ``W^2 * 4^b <= 2^52``, so both sides are
@@ -65,7 +65,11 @@ class _Call:
         bits = 20
         while bits > 8 and world * world * (1 << (2 * bits)) > (1 << 52):
             bits -= 1  # both sides of S1^2 == W * S2 exact in float64
-        f = float(zlib.crc32(f"{name}\x00{where}\x00{C}".encode()) & ((1 << bits) - 1))
+        # A construction index ("SyncBatchNorm#3") is not compared: a rank that builds extra layers (an EMA copy, a
+        # second model on rank 0) shifts it, and that must not stop a training that is in step. Qualified names
+        # (convert_sync_batchnorm's, "layer1.0.bn1") are.
+        identity = "" if "#" in name else name
+        f = float(zlib.crc32(f"{identity}\x00{where}\x00{C}".encode()) & ((1 << bits) - 1))
         pad = 1 if where == BACKWARD else 0  # the backward's sums are 2C long: one slot where forward has the count
         self.tail = torch.tensor([0.0] * pad + [f, f * f], dtype=torch.float64, device=device)
         self.world = world

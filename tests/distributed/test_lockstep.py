@@ -279,8 +279,21 @@ def _on_device(rank, world) -> dict:
         tritonbn.lockstep.host_checked.add("cpu")
 
 
+def _shifted_indices(rank, world) -> dict:
+    """Layers built directly, known by construction index, with rank 0 building one more first (an EMA copy, a
+    second model): the indices differ between ranks, the calls are in step, and nothing raises."""
+    if rank == 0:
+        tritonbn.SyncBatchNorm(C)
+    layer = tritonbn.SyncBatchNorm(C)
+    xs, dys = _global(world, 0, salt=5)
+    x = xs[rank].float().requires_grad_(True)
+    layer(x).backward(dys[rank].float())
+    return {"name": layer._tritonbn_name}
+
+
 def _rank_all(rank, world, out_dir, backend):
     results = {"legal": _legal(rank, world, debug=False), "legal, debug": _legal(rank, world, debug=True)}
+    results["shifted indices"] = _shifted_indices(rank, world)
     for case in MISMATCHES:
         results[case] = _mismatch(rank, world, case)
     if backend == "torch":  # one backend: the rows above cover both
@@ -311,6 +324,12 @@ def test_legal_cases_stay_correct(ranks):
                     assert torch.equal(v, first[k]), f"{case}: {k} differs between ranks 0 and {rank}"
                 else:
                     torch.testing.assert_close(v.float(), first[k].float(), msg=lambda m, k=k, c=case: f"{c}: {k}: {m}")
+
+
+def test_construction_indices_are_not_compared(ranks):
+    _, _, seen = ranks
+    names = [r["shifted indices"]["name"] for r in seen]
+    assert names[0] != names[1], names  # it ran without an error (the ranks would have raised)
 
 
 @pytest.mark.parametrize("case", MISMATCHES)
