@@ -7,8 +7,9 @@ One ResNet-50 training step has 53 BatchNorm layers, so 106 collectives on the c
 forward one feeds the normalization, the backward one feeds dx). Only the collectives run here,
 with the message sizes of the 53 layers (channels from ``tritonbn/cli/resnet50.py``):
 
-* ``tritonbn``: per layer, one all-reduce of 2C+1 fp64 forward (sums and the count) and one of 2C fp32
-  backward, whatever the world size (``tests/distributed/test_sync.py`` checks these messages on the real layer);
+* ``tritonbn``: per layer, one all-reduce of 2C+3 fp64 forward (sums, the count and the call's two identity
+  slots, ``tritonbn/lockstep.py``) and one of 2C+3 fp64 backward (2C sums, a spare slot, the identity), whatever
+  the world size (``tests/distributed/test_sync.py`` checks these messages on the real layer);
 * ``allgather``: ``torch.nn.SyncBatchNorm``'s algorithm, per layer an all-gather of 2C+1 fp32 per rank
   (mean, invstd, count: W x (2C+1) values gathered) forward and an all-reduce of 2C fp32 backward.
 
@@ -80,11 +81,14 @@ def _messages(impl: str, channels: list[int], group_world: int):
     forward = []
     for c in channels:
         if impl == "tritonbn":
-            forward.append(("all_reduce", torch.ones(2 * c + 1, dtype=torch.float64), None))
+            forward.append(("all_reduce", torch.ones(2 * c + 3, dtype=torch.float64), None))
         else:
             local = torch.ones(2 * c + 1, dtype=torch.float32)
             forward.append(("all_gather", local, torch.empty(group_world * (2 * c + 1), dtype=torch.float32)))
-    backward = [("all_reduce", torch.ones(2 * c, dtype=torch.float32), None) for c in reversed(channels)]
+    backward = [
+        ("all_reduce", torch.ones(2 * c + 3, dtype=torch.float64) if impl == "tritonbn" else torch.ones(2 * c), None)
+        for c in reversed(channels)
+    ]
     return forward + backward
 
 
@@ -232,10 +236,10 @@ def _ll_cap(nodes: int) -> float:
 def step_collectives(impl: str, channels: list[int], ranks: int) -> list[tuple[str, int]]:
     """(kind, result bytes) of every collective of one step, for ``ranks`` ranks per collective."""
     forward = [
-        ("all_reduce", 8 * (2 * c + 1)) if impl == "tritonbn" else ("all_gather", 4 * ranks * (2 * c + 1))
+        ("all_reduce", 8 * (2 * c + 3)) if impl == "tritonbn" else ("all_gather", 4 * ranks * (2 * c + 1))
         for c in channels
     ]
-    return forward + [("all_reduce", 4 * 2 * c) for c in channels]
+    return forward + [("all_reduce", 8 * (2 * c + 3) if impl == "tritonbn" else 4 * 2 * c) for c in channels]
 
 
 def _best_of(times: dict[str, float], algo: str) -> float:

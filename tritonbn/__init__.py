@@ -12,6 +12,7 @@
 * :mod:`tritonbn.kernels`: the Triton launchers, for custom layers.
 * :func:`accumulate_stats`: one running-statistics update per optimizer step under gradient accumulation.
 * :func:`explain`: which route (backend, path, synchronization) each BatchNorm layer of a model takes, and why.
+* :func:`check`, :class:`OutOfStepError`: ranks that call their BatchNorms out of step (:mod:`tritonbn.lockstep`).
 * :func:`join`: ranks with different numbers of batches, as torch's ``Join`` (DDP's) with tritonbn's BatchNorms.
 * :func:`patch_sync_batchnorm` / :func:`unpatch_sync_batchnorm`: the frameworks' own sync-BN switches (Ignite, fastai,
   Lightning, mmengine, timm's train script) give tritonbn's layers.
@@ -30,6 +31,7 @@ from tritonbn.export import fold_batchnorm
 from tritonbn.functional import sync_batch_norm
 from tritonbn.fusion import fuse_batchnorm_activations
 from tritonbn.groups import syncbn_group
+from tritonbn.lockstep import OutOfStepError, check
 from tritonbn.modules import SyncBatchNorm
 from tritonbn.patching import patch_sync_batchnorm, unpatch_sync_batchnorm
 from tritonbn.running_stats import accumulate_stats, recalibrate_batchnorm, sync_running_stats
@@ -64,6 +66,8 @@ __all__ = [
     "explain",
     "patch_sync_batchnorm",
     "unpatch_sync_batchnorm",
+    "check",
+    "OutOfStepError",
     "diagnose",
     "__version__",
 ]

@@ -47,6 +47,9 @@ class RemoteInputError(ValueError):
     """Raised on the ranks whose input was fine when another rank rejected its input (debug mode)."""
 
 
+# Fields described in an error but not compared: a float32 rank and a float64 rank of one layer compute the right
+# answer in both passes (both pass float64 messages, tritonbn.lockstep), so debug mode accepts them too.
+_UNCOMPARED = frozenset({"dtype"})
 _FIELDS = 6  # signature fields a call site may compare; the packed signature has a fixed size
 _calls: dict[str, int] = {}  # per process group: how many signature checks this rank has made
 _deferred: dict[str, BaseException] = {}  # per process group: an error for this rank's next check (defer_error)
@@ -78,8 +81,8 @@ def check_signature(
     identifies the call, the same on every rank when the code is the same: the number of checks
     this rank has made on ``group`` before (a per-group call counter), ``where`` (the pass, such as
     ``"forward"``), the layer's identity ``name`` (see :class:`tritonbn.SyncBatchNorm`), then ``fields``
-    (at most 6 numbers). Strings travel as CRC-32 codes, in one small all-reduce of fixed size, so
-    that even different call sites pair up and compare instead of hanging.
+    (at most 6 numbers; a ``dtype`` is described, not compared). Strings travel as CRC-32 codes, in one
+    small all-reduce of fixed size, so that even different call sites pair up and compare instead of hanging.
 
     On a mismatch, which every rank sees alike, a second small all-reduce gathers each rank's own
     description (its layer name, pass, fields) so that the error names what each rank was doing.
@@ -96,7 +99,12 @@ def check_signature(
         local_error = _deferred.pop(key, None)
     call = _calls.get(key, 0)
     _calls[key] = call + 1
-    numbers = [call, text_code(where), text_code(name), *map(float, fields.values())]
+    numbers = [
+        call,
+        text_code(where),
+        text_code(name),
+        *(0.0 if k in _UNCOMPARED else float(v) for k, v in fields.items()),
+    ]
     numbers += [0.0] * (3 + _FIELDS - len(numbers))
     values = torch.tensor([1.0 if local_error is not None else 0.0, *numbers], dtype=torch.float64)
     both = torch.cat([values, -values]).to(collective_device(group))

@@ -23,7 +23,7 @@ MODULES = sorted(PACKAGE.rglob("*.py"))
 PUBLIC = (
     "SyncBatchNorm convert_sync_batchnorm revert_sync_batchnorm syncbn_group sync_batch_norm"
     " fuse_batchnorm_activations fold_batchnorm sync_running_stats recalibrate_batchnorm accumulate_stats"
-    " join explain patch_sync_batchnorm unpatch_sync_batchnorm diagnose __version__"
+    " join explain patch_sync_batchnorm unpatch_sync_batchnorm check OutOfStepError diagnose __version__"
 ).split()
 KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
            "batch_norm_backward_elemt"]  # fmt: skip
@@ -41,6 +41,7 @@ IMPORT_PATHS = [
     ("tritonbn.convert", "convert_sync_batchnorm"),
     ("tritonbn.running_stats", "accumulate_stats"),
     ("tritonbn.uneven", "join"),
+    ("tritonbn.lockstep", "OutOfStepError"),
     ("tritonbn.backend", "ops_for"),
     ("tritonbn.export", "fold_batchnorm"),
     ("tritonbn.patching", "patch_sync_batchnorm"),
@@ -100,7 +101,7 @@ FLOORS = [
     ("tritonbn._compat", "tritonbn._numerics", "tritonbn.activations"),
     ("tritonbn.backends",),
     ("tritonbn.kernels", "tritonbn.backend", "tritonbn.distributed", "tritonbn.groups", "tritonbn._signature",
-     "tritonbn._norm_layers"),
+     "tritonbn._norm_layers", "tritonbn.lockstep"),
     ("tritonbn._core",),
     ("tritonbn.functional", "tritonbn.modules", "tritonbn.convert"),
     ("tritonbn.fusion", "tritonbn.export", "tritonbn.diagnose", "tritonbn.running_stats", "tritonbn.uneven",

@@ -235,8 +235,8 @@ def test_one_collective_per_pass_within_the_group(ranks, backend):
     (tests/distributed/test_sync.py): independent of the world and of the group size; sent over the group."""
     for r in ranks:
         for step in r[backend]["steps"]:
-            assert step["forward"] == [("all_reduce", 2 * C + 1, torch.float64, GROUP)], step["forward"]
-            assert step["backward"] == [("all_reduce", 2 * C, torch.float32, GROUP)], step["backward"]
+            assert step["forward"] == [("all_reduce", 2 * C + 3, torch.float64, GROUP)], step["forward"]
+            assert step["backward"] == [("all_reduce", 2 * C + 3, torch.float64, GROUP)], step["backward"]
 
 
 def test_non_dividing_group_size_same_error_before_any_collective(ranks):

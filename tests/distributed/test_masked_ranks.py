@@ -96,7 +96,7 @@ def test_matches_real_positions_of_every_rank(masked_run, name):
         seen = [r[name][step] for r in masked_run]
         batches = [_rank_batch(name, rank, step) for rank in range(WORLD)]
         for s in seen:  # one all-reduce per pass, of the unmasked size
-            assert s["forward"] == [2 * C + 1] and s["backward"] == [2 * C], (s["forward"], s["backward"])
+            assert s["forward"] == [2 * C + 3] and s["backward"] == [2 * C + 3], (s["forward"], s["backward"])
         for a, other in zip(seen[0]["buffers"], seen[1]["buffers"], strict=True):
             assert torch.equal(a, other), "buffers differ between ranks"
         xr = torch.cat([_real(x, m) for x, _, m in batches]).double().requires_grad_()

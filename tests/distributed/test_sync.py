@@ -231,8 +231,8 @@ def test_one_collective_per_pass(backend_name, tmp_path):
     C = 6
     for world, ranks in seen.items():
         for log in ranks:
-            assert log["forward"] == [("all_reduce", 2 * C + 1, torch.float64)], f"world {world}: {log['forward']}"
-            assert log["backward"] == [("all_reduce", 2 * C, torch.float32)], f"world {world}: {log['backward']}"
+            assert log["forward"] == [("all_reduce", 2 * C + 3, torch.float64)], f"world {world}: {log['forward']}"
+            assert log["backward"] == [("all_reduce", 2 * C + 3, torch.float64)], f"world {world}: {log['backward']}"
             assert log["eval"] == [], "eval must not communicate"
             assert log["no_input_grad_backward"] == [], "backward without input grad must not communicate"
     assert seen[2][0]["forward"] == seen[3][0]["forward"], "message size must not depend on world size"

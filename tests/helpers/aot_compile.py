@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tritonbn._compat import COMPILE_OPTIONS  # noqa: E402
+from tritonbn.backends.triton import lockstep  # noqa: E402
 from tritonbn.kernels import backward_elemt, backward_reduce, elemt, stats  # noqa: E402
 from tritonbn.kernels._plan import _gathers  # noqa: E402
 
@@ -159,6 +160,9 @@ def compile_all(target, quick: bool, smoke: bool, only: str | None = None) -> in
             base = dict(layout, USE_INT64=int64, ACC=acc)
             trainings = (True,) if smoke else (True, False)
             count += _compile_plan(base, _pointers(dt), target, int64, activations, residuals, auxes, trainings)
+    # the device side of the out-of-step check (tritonbn/lockstep.py): one specialization, whatever the dtypes
+    message = {"message_ptr": "*fp64", "flag_ptr": "*i64"}
+    count += _new(_compile(lockstep._check_message_kernel, message, {"BLOCK": 1024}, target, False))
     return count
 
 

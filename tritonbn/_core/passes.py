@@ -8,13 +8,14 @@ custom ops (:mod:`tritonbn._core.custom_ops`), whose bodies call the same two fu
 Forward (training)::
 
     stats = batch_norm_stats(x)                 # local [sum_x | sum_x2 | count], (2C + 1,) fp64
-    all_reduce(stats)                           # THE forward collective: 2C + 1 doubles, any world size
+    all_reduce(stats)                           # THE forward collective: 2C + 1 doubles, any world size, and
+                                                # 2 identity slots (tritonbn.lockstep: ranks out of step raise)
     y, mean, invstd = batch_norm_elemt(...)     # also updates the running stats on the device
 
 Backward (training)::
 
     sums, dw, db = batch_norm_backward_reduce(dy, x, mean, invstd, w)   # local, (2, C) fp32
-    all_reduce(sums)                            # THE backward collective: 2*C floats
+    all_reduce(sums)                            # THE backward collective: 2*C sums, sent as 2C + 3 doubles
     dx = batch_norm_backward_elemt(dy, x, mean, invstd, w, sums, stats[-1:])
 
 On the PyTorch backend the passes use its local path where nothing is summed (:mod:`tritonbn.backends.torch.local`):
@@ -59,7 +60,7 @@ import torch
 from tritonbn._core.call import Saved, in_backward, synchronizes_with_nobody
 from tritonbn._core.recompute import global_stats
 from tritonbn._signature import check_signature, debug_enabled, signature
-from tritonbn.distributed import all_reduce_sum
+from tritonbn.lockstep import all_reduce_sums
 
 
 def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
@@ -189,7 +190,7 @@ def backward_pass(backend, settings, grad_out, saved: Saved, needs):
         )
     if input_grad or residual_grad:
         if input_grad and training and group is not None:
-            all_reduce_sum(sums, group)
+            sums = all_reduce_sums(sums, group, settings.name)  # checked: ranks out of step raise
         if residual_grad:
             dr = torch.empty_like(s.x)
         dx = backend.batch_norm_backward_elemt(

@@ -49,7 +49,7 @@ from tritonbn._compat import (
     version_of,
 )
 from tritonbn._signature import check_signature, debug_enabled, defer_error, signature
-from tritonbn.distributed import all_reduce_sum
+from tritonbn.lockstep import all_reduce_stats
 
 _LEDGER = "_tritonbn_ledger"  # the attribute a region keeps its ledger in
 
@@ -170,7 +170,7 @@ def global_stats(backend, settings, operands, backward: bool, enclosing: bool):
         check_signature(settings.group, "forward", signature(t.input, True, t.input.requires_grad), name=settings.name)
     compared = where is not None and not replaying and (t.input.device.type == "cpu" or debug_enabled())
     local = stats.clone() if compared else None
-    all_reduce_sum(stats, settings.group)
+    stats = all_reduce_stats(stats, settings.group, settings.name)  # checked: ranks out of step raise
     if where is not None and not replaying:
         ledger = getattr(where, _LEDGER, None)
         if ledger is None:
