@@ -19,7 +19,7 @@ from oracle import PARAM_GRAD_TOL, TOLERANCES, make_layout
 
 import tritonbn
 import tritonbn.backends.torch as tb
-from tritonbn._core import passes
+from tritonbn._core import passes, recompute
 from tritonbn._core.call import kept as kept_for_backward
 from tritonbn.backends.torch import local, masked, plain
 
@@ -212,7 +212,8 @@ def test_mask_takes_the_masked_launchers(calls, form, activation, slope, residua
     def no_collective(*args):
         raise AssertionError("a collective at world size 1")
 
-    monkeypatch.setattr(passes, "all_reduce_sum", no_collective)
+    monkeypatch.setattr(passes, "all_reduce_sums", no_collective)
+    monkeypatch.setattr(recompute, "all_reduce_stats", no_collective)
     x, r, dy, w, b = _data(dtype, layout, seed=6)
     mask = torch.rand(SHAPE[0], *SHAPE[2:], generator=torch.Generator().manual_seed(7)) > 0.3
     padded = ~mask.unsqueeze(1)

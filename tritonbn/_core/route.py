@@ -60,8 +60,9 @@ def is_eager(x: torch.Tensor) -> bool:
 
 def context(operands) -> tuple:
     """What can change between eager calls that repeat one record and changes their route: ``TRITONBN_BACKEND``,
-    whether autograd records the call, whether forward-mode AD is on, and whether it runs inside a backward pass (a
-    checkpoint's recompute)."""
+    whether autograd records the call, whether forward-mode AD is on, and whether a call that autograd records runs
+    inside a backward pass (a checkpoint's recompute; the forward pass of a call that nothing records finds that out
+    itself)."""
     t = operands
     recording = torch.is_grad_enabled() and (
         t.input.requires_grad
@@ -69,7 +70,7 @@ def context(operands) -> tuple:
         or (t.bias is not None and t.bias.requires_grad)
         or (t.residual is not None and t.residual.requires_grad)
     )
-    return backend_variable(), recording, forward_ad_active(), in_backward()
+    return backend_variable(), recording, forward_ad_active(), recording and in_backward()
 
 
 def route_for(settings: LayerSettings, operands, record=None, how: str | None = None, compiling=False) -> Route:
