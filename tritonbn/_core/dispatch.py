@@ -35,24 +35,28 @@ def run(settings: LayerSettings, operands: Operands, num_features: int | None = 
     raise instead of leaving them waiting in the next collective.
     """
     t = operands
-    if type(t.input) is not torch.Tensor:  # the one test the ordinary path pays for tensor subclasses
-        tensors = t.tensors()
-        if has_torch_function(tensors):  # an input with __torch_function__: torch's protocol, as F.batch_norm
-            from tritonbn._core.uncompiled import uncompiled  # imported here, at the first subclass call: see there
+    if type(t.input) is not torch.Tensor and has_torch_function(t.tensors()):
+        # an input with __torch_function__: torch's protocol, as F.batch_norm, which calls normalize back on plain
+        # tensors (the one test the ordinary path pays for tensor subclasses is the type's)
+        from tritonbn._core.uncompiled import uncompiled  # imported here, at the first subclass call: see there
 
-            return uncompiled(
-                handle_torch_function, normalize, tensors, *tensors, settings=settings, num_features=num_features
-            )
-        t = _plain(t)
-    route = _kept_route(settings, t, num_features)
-    if route is None:
-        compiling = torch.compiler.is_compiling()
-        how = exporter(compiling)  # THE export hook: the tracer recording this call, if any (it also picks the checks)
-        record = _check(settings, t, num_features, compiling, how)
-        route = route_for(settings, t, record, how, compiling)
-    if _watchers:  # tritonbn.explain, and tests: the route each call takes
-        _watchers[-1](settings, route)
-    return route.run(settings, t)
+        tensors = t.tensors()
+        y = uncompiled(
+            handle_torch_function, normalize, tensors, *tensors, settings=settings, num_features=num_features
+        )
+    else:
+        if type(t.input) is not torch.Tensor:
+            t = _plain(t)
+        route = _kept_route(settings, t, num_features)
+        if route is None:
+            compiling = torch.compiler.is_compiling()
+            how = exporter(compiling)  # THE export hook: the tracer recording this call (it also picks the checks)
+            record = _check(settings, t, num_features, compiling, how)
+            route = route_for(settings, t, record, how, compiling)
+        if _watchers:  # tritonbn.explain, and tests: the route each call takes
+            _watchers[-1](settings, route)
+        y = route.run(settings, t)
+    return y
 
 
 _watchers: list = []
