@@ -74,7 +74,7 @@ from results_file import write_section  # noqa: E402
 
 import tritonbn  # noqa: E402
 from tritonbn import backend  # noqa: E402
-from tritonbn._core import call, checks, eager, route  # noqa: E402
+from tritonbn._core import call, checks, dispatch, eager, route  # noqa: E402
 from tritonbn._core import passes as data_path  # noqa: E402
 from tritonbn._core.checks import check_inputs  # noqa: E402
 from tritonbn.activations import check_activation  # noqa: E402
@@ -173,7 +173,7 @@ def stub_launches() -> None:
     Launch.__call__ = _stub_call
     _launch.DIRECT = True
     _FakeKernel.fill = False
-    route.is_eager = _EAGER
+    route.is_eager = dispatch.is_eager = _EAGER
 
 
 def stub_and_fill() -> None:
@@ -195,7 +195,7 @@ def direct_and_fill() -> None:
 def custom_op_path() -> None:
     """Launches stubbed, and every call through the custom ops (the compiled path; eager before issue 12)."""
     stub_launches()
-    route.is_eager = lambda x: False
+    route.is_eager = dispatch.is_eager = lambda x: False  # no route kept for eager calls is taken either
 
 
 def bind_launches() -> None:
