@@ -68,7 +68,8 @@ def _models():
         reference[1].weight.uniform_(0.5, 1.5)
         reference[1].bias.uniform_(-0.5, 0.5)
     model = tritonbn.convert_sync_batchnorm(copy.deepcopy(reference))
-    assert type(model[1]) is tritonbn.SyncBatchNorm, type(model[1])
+    # converted: tritonbn's layer, and still an instance of the class it replaced
+    assert isinstance(model[1], tritonbn.SyncBatchNorm) and isinstance(model[1], torch.nn.BatchNorm2d), type(model[1])
     return reference, model
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import nn
 
 from tritonbn._core.dispatch import watching
@@ -59,6 +60,14 @@ def _ranks(group) -> int:
     return size() if callable(size) else 2  # tritonbn.join's relay: the world, at least two ranks
 
 
+def _shared_groups(model: nn.Module) -> dict:
+    """A ``copy.deepcopy`` memo under which the copy shares the model's process groups (which cannot be copied:
+    a layer of a ``syncbn_group`` keeps its group in ``process_group``)."""
+    if not dist.is_available():
+        return {}
+    return {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, dist.ProcessGroup)}
+
+
 def explain(model: nn.Module, *example_args, **example_kwargs) -> Explanation:
     """The route every tritonbn BatchNorm layer of ``model`` takes on ``model(*example_args, **example_kwargs)``.
 
@@ -81,7 +90,7 @@ def explain(model: nn.Module, *example_args, **example_kwargs) -> Explanation:
             "tritonbn.explain: the model has no tritonbn BatchNorm layer; convert it first "
             "(tritonbn.convert_sync_batchnorm)"
         )
-    copied = copy.deepcopy(model)
+    copied = copy.deepcopy(model, _shared_groups(model))
     names = {id(m): name or "<root>" for name, m in copied.named_modules() if isinstance(m, SyncBatchNorm)}
     current: list[nn.Module] = []
     seen = Explanation()

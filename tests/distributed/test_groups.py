@@ -135,7 +135,13 @@ def _rank(rank, world, out_dir):
             with _Calls() as log:
                 y_local = local(x[mine])
                 local_calls = log.take()
+            # tritonbn.explain: whether each layer synchronizes, with how many ranks, on which route (a copy's
+            # forward: the group's layer communicates, on every rank alike)
+            explained = [
+                (r.synchronizes, r.ranks, r.route) for m in (model, local) for r in tritonbn.explain(m, x[mine])
+            ]
             out[backend] = {
+                "explained": explained,
                 "steps": steps,
                 "report": (found.ok, found.groups, found.group_ok, str(found)),
                 "report_world": (across.ok, across.groups, across.diverging),
@@ -256,6 +262,16 @@ def test_group_size_1_is_local_batchnorm(ranks, backend):
         y_ref, *_ = Oracle(C, weight=torch.ones(C), bias=torch.zeros(C)).step(x[_rows([rank])], None)
         _close(y, y_ref, TOLERANCES[torch.float32], f"rank {rank} local y")
         assert calls == [], "group_size=1 communicates nothing"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explain_tells_who_synchronizes(ranks, backend):
+    """``tritonbn.explain`` on a model of ``syncbn_group`` layers (whose group a copy shares) and a local one: the
+    group's layer synchronizes with its ``GROUP`` ranks through the eager Function; the local layer with nobody, on
+    the PyTorch backend through torch's own training ops."""
+    local = "local training" if backend == "torch" else "eager function"
+    for r in ranks:
+        assert r[backend]["explained"] == [(True, GROUP, "eager function"), (False, 1, local)]
 
 
 # --- one process: argument errors -------------------------------------------------------------------
