@@ -200,7 +200,7 @@ def _rank_mismatches(rank, world, out_dir):
     for case in MISMATCHES:
         torch.manual_seed(rank)
         layers = _layers(rank, case)
-        # in eval without autograd, after a call like it: the PyTorch backend's straight path (evaluated_again)
+        # in eval without autograd, after a call like it: the route kept for it on the PyTorch backend (its native eval)
         evaluating = case.startswith("eval")
         grad = torch.no_grad() if evaluating else contextlib.nullcontext()
         if evaluating:
