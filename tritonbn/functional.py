@@ -16,10 +16,13 @@ def batch_norm(
 ) -> torch.Tensor:
     """:func:`sync_batch_norm` over an already resolved ``group`` (``None``: this rank alone), for the benchmarks
     and :func:`tritonbn.recalibrate_batchnorm`; ``call``: its keywords ``residual``, ``activation``,
-    ``negative_slope``, ``mask``, and ``stats_sink`` (see :func:`tritonbn.accumulate_stats`)."""
-    activation, slope = call.get("activation"), call.get("negative_slope", 0.01)
+    ``negative_slope``, ``mask``, and ``stats_sink`` (see :func:`tritonbn.accumulate_stats`); any other is an
+    error, as for a function that names them."""
+    activation, slope = call.pop("activation", None), call.pop("negative_slope", 0.01)
+    tensors = (num_batches_tracked, call.pop("residual", None), call.pop("mask", None), call.pop("stats_sink", None))
+    if call:
+        raise TypeError(f"tritonbn batch_norm() got unexpected keyword arguments: {', '.join(sorted(call))}")
     settings = settings_for(training, momentum, eps, activation, slope, group, debug_group=group)
-    tensors = (num_batches_tracked, call.get("residual"), call.get("mask"), call.get("stats_sink"))
     return run(settings, Operands(input, weight, bias, running_mean, running_var, *tensors))
 
 

@@ -174,16 +174,8 @@ def check_eager_call(settings, operands, num_features: int | None = None):
     if last is not None and repeats(last, t, num_features):
         return last
     check_call(settings, t, num_features)
-    x, r, w, b, rm, rv, nbt = (
-        t.input,
-        t.residual,
-        t.weight,
-        t.bias,
-        t.running_mean,
-        t.running_var,
-        t.num_batches_tracked,
-    )
-    meta = call_meta(x, r, w, b, rm, rv, nbt, num_features)
+    w, b, rm, rv, nbt = t.weight, t.bias, t.running_mean, t.running_var, t.num_batches_tracked
+    meta = call_meta(t.input, t.residual, w, b, rm, rv, nbt, num_features)
     settings.record = CallRecord(meta, w, b, rm, rv, nbt, {})
     return settings.record
 
