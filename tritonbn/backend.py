@@ -10,8 +10,9 @@
 * ``triton``: always the kernels; an error explains why when they cannot run on the input.
 * ``torch``: always the PyTorch backend.
 
-:func:`ops_for` returns a :class:`Backend`: the four launchers of the chosen backend, and its local path
-where it has one. The data path, ``running_stats`` and ``diagnose`` all reach a backend through it.
+:func:`ops_for` returns a :class:`Backend`: the four launchers of the chosen backend (in the data path's form and
+under their public signatures), and its local path where it has one. The data path, ``running_stats`` and
+``diagnose`` all reach a backend through it.
 """
 
 from __future__ import annotations
@@ -24,24 +25,25 @@ import torch
 
 from tritonbn import _compat
 from tritonbn.backends import torch as _torch_module
+from tritonbn.backends.launchers import Launchers, Operands, Options
 
 BACKENDS = ("auto", "triton", "torch")
-LAUNCHERS = ("batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce", "batch_norm_backward_elemt")
 
 
-class Backend:
-    """One backend, as the data path sees it: its ``name``, its four launchers (attributes of the same names),
+class Backend(Launchers):
+    """One backend, as the data path sees it: its ``name``; its four launchers (:class:`Launchers`: ``stats``,
+    ``elemt``, ``backward_reduce``, ``backward_elemt``, and the public ``batch_norm_stats`` and the rest over them);
     ``local``: the module of its local path (``forward``, ``backward``, ``recorded``: see
-    :mod:`tritonbn.backends.torch.local`), or ``None`` where it has none (the Triton kernels), and ``prepare``:
-    ``kept -> backend``, the same launchers for the eager calls of one layer that match a checked record, which
+    :mod:`tritonbn.backends.torch.local`), or ``None`` where it has none (the Triton kernels); and ``prepare``:
+    ``record -> launchers``, the same launchers for the eager calls of one layer that match a checked record, which
     find their launches once (:mod:`tritonbn.backends.triton._prepared`), or ``None`` (the PyTorch backend)."""
 
-    __slots__ = ("name", "local", "prepare", *LAUNCHERS)
+    __slots__ = ("name", "local", "prepare")
 
     def __init__(self, name: str, module: ModuleType) -> None:
+        own = module.launchers
+        super().__init__(own.stats, own.elemt, own.backward_reduce, own.backward_elemt)
         self.name = name
-        for launcher in LAUNCHERS:
-            setattr(self, launcher, getattr(module, launcher))
         self.local = getattr(module, "local", None)  # capabilities a backend may offer
         self.prepare = getattr(module, "prepare", None)
 
@@ -136,3 +138,13 @@ def ops_for(x: torch.Tensor) -> Backend:
 def name_for(x: torch.Tensor) -> str:
     """``"triton"`` or ``"torch"``: the backend a call on ``x`` would use."""
     return ops_for(x).name
+
+
+def update_running_stats(stats: torch.Tensor, running_mean, running_var, num_batches_tracked, momentum, eps) -> None:
+    """One update of running statistics from the global sums ``stats`` (pooled micro-batches, or another rank's step)
+    with a layer's ``momentum`` and ``eps``: the training forward's own update, by the chosen backend's elementwise
+    launcher on an empty batch, on the device."""
+    mean = running_mean
+    empty = torch.empty((0, mean.shape[0]), dtype=mean.dtype, device=mean.device)
+    t = Operands(empty, None, None, mean, running_var, num_batches_tracked)
+    ops_for(empty).elemt(Options(momentum, eps, None, 0.01), t, stats.to(mean.device), True)

@@ -45,7 +45,7 @@ from tritonbn._core.call import in_backward
 from tritonbn._core.checks import ACCUMULATE_EAGER_ONLY
 from tritonbn._norm_layers import PLAIN
 from tritonbn._signature import check_signature, debug_enabled
-from tritonbn.backend import ops_for
+from tritonbn.backend import ops_for, update_running_stats
 from tritonbn.diagnose import batchnorm_modules, unwrap
 from tritonbn.distributed import collective_device, resolve_group
 from tritonbn.functional import batch_norm
@@ -87,18 +87,7 @@ class _Slot:
     def apply(self) -> None:
         """One running-statistics update from the pooled sums (the forward kernel's own, on an empty batch)."""
         m = self.module
-        empty = torch.empty((0, m.num_features), dtype=m.running_mean.dtype, device=self.sums.device)
-        ops_for(empty).batch_norm_elemt(
-            empty,
-            None,
-            None,
-            stats=self.sums,
-            running_mean=m.running_mean,
-            running_var=m.running_var,
-            num_batches_tracked=m.num_batches_tracked,
-            momentum=m.momentum,
-            eps=m.eps,
-        )
+        update_running_stats(self.sums, m.running_mean, m.running_var, m.num_batches_tracked, m.momentum, m.eps)
 
 
 class accumulate_stats:  # noqa: N801 - used like a function: ``with tritonbn.accumulate_stats(model):``

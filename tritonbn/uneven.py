@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tritonbn._compat import group_timeout, run_first
 from tritonbn._core.call import in_backward, settings_for
-from tritonbn.backend import ops_for
+from tritonbn.backend import update_running_stats
 from tritonbn.distributed import Relay, resolve_group
 from tritonbn.modules import ACCUMULATOR, SyncBatchNorm
 
@@ -115,18 +115,7 @@ class _Shadow(JoinHook):
         """The running-statistics update the others made with ``stats``: the forward kernel's own, on an empty batch
         (as tritonbn.accumulate_stats applies its pooled sums), into this rank's copy and then the layer's buffers."""
         module, (mean, var, count) = self.block.layers[index], self.state[index]
-        empty = torch.empty((0, module.num_features), dtype=mean.dtype, device=mean.device)
-        ops_for(empty).batch_norm_elemt(
-            empty,
-            None,
-            None,
-            stats=stats.to(mean.device),
-            running_mean=mean,
-            running_var=var,
-            num_batches_tracked=count,
-            momentum=module.momentum,
-            eps=module.eps,
-        )
+        update_running_stats(stats, mean, var, count, module.momentum, module.eps)
         _write(module, self.state[index])
 
     def post_hook(self, is_last_joiner: bool) -> None:

@@ -26,7 +26,7 @@ PUBLIC = (
     " join explain patch_sync_batchnorm unpatch_sync_batchnorm check OutOfStepError diagnose __version__"
 ).split()
 KERNELS = ["Plan", "plan", "batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce",
-           "batch_norm_backward_elemt"]  # fmt: skip
+           "batch_norm_backward_elemt", "Launchers"]  # fmt: skip
 IMPORT_PATHS = [
     ("tritonbn.lightning", "TritonSyncBatchNorm"),
     ("tritonbn.mmengine", "NAME"),
@@ -193,10 +193,11 @@ def test_no_import_runs_back_up_a_floor():
 
 def test_backends_know_nothing_above_them():
     """Backends and the kernels import nothing of autograd, modules, collectives or the CLI, and neither backend
-    names the other; the PyTorch backend is a folder, a peer of the Triton backend's."""
+    names the other (both name the launchers they implement, ``tritonbn.backends.launchers``); the PyTorch backend is
+    a folder, a peer of the Triton backend's."""
     assert (PACKAGE / "backends" / "torch" / "__init__.py").is_file() and (PACKAGE / "backends" / "triton").is_dir()
     assert not list(PACKAGE.glob("_torch*.py")) and not list(PACKAGE.glob("_masked*.py"))
-    allowed = ("tritonbn._compat", "tritonbn._numerics", "tritonbn.activations")
+    allowed = ("tritonbn._compat", "tritonbn._numerics", "tritonbn.activations", "tritonbn.backends.launchers")
     paths = [*(PACKAGE / "backends").rglob("*.py"), *(PACKAGE / "kernels").glob("*.py")]
     for path in paths:
         own = _name(path).split(".")[:3]  # tritonbn.backends.<name>, or tritonbn.kernels

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from oracle import make_layout
 
 import tritonbn
+import tritonbn.backends.torch as torch_backend
 from tritonbn.backends.torch import plain as tb
 
 
@@ -35,14 +36,14 @@ def test_forward_writes_y_over_the_shifted_copy(layout, offset):
 
     stats = tb.batch_norm_stats(x)
     shifted = tb._shifted.entry[2]
-    y, mean, invstd = tb.batch_norm_elemt(x, w, b, stats=stats)
+    y, mean, invstd = torch_backend.batch_norm_elemt(x, w, b, stats=stats)
     assert y.data_ptr() == shifted.data_ptr(), "y is written over the statistics' shifted copy"
     assert y.stride() == x.stride() and tb._shifted.entry is None
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
 
     tb.batch_norm_stats(x)
     tb._shifted.entry = None  # the other path: elemt forms x - hi itself
-    y2, mean2, invstd2 = tb.batch_norm_elemt(x, w, b, stats=stats)
+    y2, mean2, invstd2 = torch_backend.batch_norm_elemt(x, w, b, stats=stats)
     torch.testing.assert_close(y2.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y2, y, atol=1e-5, rtol=1e-5)  # the two paths agree to rounding
     assert torch.equal(mean, mean2) and torch.equal(invstd, invstd2)
@@ -54,12 +55,12 @@ def test_shifted_copy_goes_to_its_own_tensor_only():
     x1, x2 = torch.randn(6, 3, 4, 4) + 5, torch.randn(6, 3, 4, 4) - 5
     w, b = torch.rand(3) + 0.5, torch.randn(3)
     stats = tb.batch_norm_stats(x1)
-    y, mean, invstd = tb.batch_norm_elemt(x2, w, b, stats=stats)  # x2 with x1's statistics
+    y, mean, invstd = torch_backend.batch_norm_elemt(x2, w, b, stats=stats)  # x2 with x1's statistics
     torch.testing.assert_close(y.double(), _reference(x2, w, b, mean, invstd), atol=1e-5, rtol=1e-5)
 
     stats = tb.batch_norm_stats(x1)
     x1.mul_(-2.0)  # changed after its statistics: the copy of the old x1 must not be used
-    y, mean, invstd = tb.batch_norm_elemt(x1, w, b, stats=stats)
+    y, mean, invstd = torch_backend.batch_norm_elemt(x1, w, b, stats=stats)
     torch.testing.assert_close(y.double(), _reference(x1, w, b, mean, invstd), atol=1e-5, rtol=1e-5)
 
 

@@ -8,10 +8,11 @@ dozen loose arguments:
   :func:`settings_for` alone. The module builds it once and keeps it until one of its settings changes; the
   functional form builds one per call; the custom ops rebuild it from their flat schema.
 * :class:`Operands`: the tensors of one call (input, parameters, running statistics, residual, mask, and
-  the ``accumulate_stats`` sink).
+  the ``accumulate_stats`` sink), defined with the backends' launchers, which read it
+  (:mod:`tritonbn.backends.launchers`).
 * :class:`CallRecord`: what the layer's last eager call that passed the checks looked like, and the
   :class:`Route` chosen for calls like it in each context (:mod:`tritonbn._core.route`).
-* :class:`Saved`: what the forward keeps for the backward.
+* :class:`Saved`: what the forward keeps for the backward (defined there too).
 
 None of them is part of a module's state: ``SyncBatchNorm`` drops its settings (and so the record) from pickles and
 copies.
@@ -26,6 +27,7 @@ import torch
 
 from tritonbn._compat import current_graph_task_id
 from tritonbn.activations import output_gives_grad
+from tritonbn.backends.launchers import Operands, Saved  # noqa: F401 - the records a backend's launchers read
 from tritonbn.distributed import world
 
 
@@ -75,41 +77,6 @@ def settings_for(
     )
 
 
-@dataclass(slots=True)
-class Operands:
-    """The tensors of one call. ``sink``: the ``accumulate_stats`` buffer this call's global sums go to, in
-    place of the running-statistics update (``None`` outside that block). ``mask``: masked BatchNorm's bool
-    ``(N, *S)`` tensor, True at real positions (``None``: no mask)."""
-
-    input: torch.Tensor
-    weight: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
-    running_mean: torch.Tensor | None = None
-    running_var: torch.Tensor | None = None
-    num_batches_tracked: torch.Tensor | None = None
-    residual: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    sink: torch.Tensor | None = None
-
-    def tensors(self) -> tuple:
-        """Every field, in order (``None`` where a tensor is not given)."""
-        return (
-            self.input,
-            self.weight,
-            self.bias,
-            self.running_mean,
-            self.running_var,
-            self.num_batches_tracked,
-            self.residual,
-            self.mask,
-            self.sink,
-        )
-
-    def without_running_stats(self) -> Operands:
-        """The same call, updating no running statistics (a forward inside backward: a checkpoint recompute)."""
-        return Operands(self.input, self.weight, self.bias, None, None, None, self.residual, self.mask, self.sink)
-
-
 @dataclass(slots=True, eq=False)
 class CallRecord:
     """An eager call that passed the checks (:func:`tritonbn._core.checks.check_eager_call`): ``meta`` (its input's
@@ -145,22 +112,6 @@ class Route:
 
     def __repr__(self) -> str:
         return f"<tritonbn route {self.name!r} ({self.backend}): {self.reason}>"
-
-
-@dataclass(slots=True)
-class Saved:
-    """What backward reads: the input, parameters, the statistics the forward used (``stats``: the global packed
-    sums, ``None`` in eval), and what act'(z) is read from (``residual`` or ``output``, see :func:`kept`)."""
-
-    x: torch.Tensor
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-    mean: torch.Tensor
-    invstd: torch.Tensor
-    stats: torch.Tensor | None
-    residual: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
 
 
 def stats_shape(C: int) -> tuple[int, ...]:

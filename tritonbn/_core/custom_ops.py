@@ -88,7 +88,6 @@ def batch_norm_backward(
     output: torch.Tensor | None,
     mask: torch.Tensor | None,
     training: bool,
-    momentum: float | None,
     eps: float,
     activation: str | None,
     negative_slope: float,
@@ -99,8 +98,9 @@ def batch_norm_backward(
     bias_grad: bool,
     residual_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty."""
-    settings = settings_of(training, momentum, eps, activation, negative_slope, group_name, name)
+    """:func:`backward_pass` as one op: ``(dx, dweight, dbias, dresidual)``; a gradient not asked for is empty. The
+    layer's settings as the forward op's, but ``momentum``, which no backward reads."""
+    settings = settings_of(training, None, eps, activation, negative_slope, group_name, name)
     saved = Saved(x, weight, bias, mean, invstd, stats, residual, output, mask)
     grads = backward_pass(ops_for(x), settings, grad_out, saved, (input_grad, weight_grad, bias_grad, residual_grad))
     return tuple(g if g is not None else x.new_empty(0) for g in grads)  # distinct: op outputs may not alias
@@ -183,7 +183,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = Saved(*ctx.saved_tensors)
+        saved, training = Saved(*ctx.saved_tensors), ctx.op_settings[0]
         need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
         needs = (need_x, need_w, need_b, need_r and ctx.has_residual)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True: see higher_order
@@ -200,7 +200,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             saved.residual,
             saved.output,
             saved.mask,
-            *ctx.op_settings,
+            training,
+            *ctx.op_settings[2:],
             *needs,
         )
         grads = tuple(g if need else None for g, need in zip((dx, dw, db, dr), needs, strict=True))

@@ -1,7 +1,9 @@
 """The two passes: a backend's launchers plus one all-reduce per pass, each one plain function of tensors.
 
 :func:`forward_pass` and :func:`backward_pass` hold the passes, over the four launchers of a backend
-(:class:`tritonbn.backend.Backend`: the Triton kernels or the PyTorch backend). Eager calls run them from
+(:class:`tritonbn.backend.Backend`: the Triton kernels or the PyTorch backend), called with the layer's settings and
+the call's :class:`Operands` or :class:`Saved` (:mod:`tritonbn.backends.launchers`); the sketches below name them as
+:mod:`tritonbn.kernels` does. Eager calls run them from
 an autograd Function directly (:mod:`tritonbn._core.eager`); ``torch.compile`` traces the ``torch.library``
 custom ops (:mod:`tritonbn._core.custom_ops`), whose bodies call the same two functions.
 
@@ -102,7 +104,7 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
             if out is not None:
                 return out
         if settings.group is None:
-            stats = backend.batch_norm_stats(t.input, mask=t.mask)
+            stats = backend.stats(t.input, t.mask)
         else:  # the one all-reduce, or a recompute's copy of its first forward's result
             stats, replayed = global_stats(backend, settings, t, backward, enclosing)
             if replayed:
@@ -111,22 +113,7 @@ def forward_pass(backend, settings, operands, save_stats=True, enclosing=False):
         if t.sink is not None:  # tritonbn.accumulate_stats: pool the global sums, update nothing now
             t.sink.add_(stats)
             t = t.without_running_stats()
-    y, mean, invstd = backend.batch_norm_elemt(  # in eval (stats None), with the running statistics
-        t.input,
-        t.weight,
-        t.bias,
-        stats=stats,
-        running_mean=t.running_mean,
-        running_var=t.running_var,
-        num_batches_tracked=t.num_batches_tracked,
-        momentum=settings.momentum,
-        eps=settings.eps,
-        residual=t.residual,
-        activation=settings.activation,
-        negative_slope=settings.negative_slope,
-        save_stats=save_stats,
-        mask=t.mask,
-    )
+    y, mean, invstd = backend.elemt(settings, t, stats, save_stats)  # in eval (stats None), with the running ones
     nbt = t.num_batches_tracked
     if nbt is not None and settings.group is None and not t.input.numel() and t.running_mean is not None:
         nbt.add_(1)  # as torch counts an empty batch (the launchers count a step only where the global batch has one)
@@ -151,12 +138,7 @@ def backward_pass(backend, settings, grad_out, saved: Saved, needs):
     """
     s = saved
     input_grad, weight_grad, bias_grad, residual_grad = needs
-    training, group, activation, slope = (
-        settings.batch_stats,
-        settings.group,
-        settings.activation,
-        settings.negative_slope,
-    )
+    training, group = settings.batch_stats, settings.group
     if training and group is not None and debug_enabled():
         check_signature(group, "backward", signature(s.x, True, input_grad), name=settings.name)
     local = backend.local  # the PyTorch backend's local path; None for the kernels
@@ -173,41 +155,12 @@ def backward_pass(backend, settings, grad_out, saved: Saved, needs):
                 return grads
     sums = dx = dw = db = dr = None
     if weight_grad or bias_grad or (input_grad and training):
-        sums, dw, db = backend.batch_norm_backward_reduce(
-            grad_out,
-            s.x,
-            s.mean,
-            s.invstd,
-            s.weight,
-            weight_grad=weight_grad,
-            bias_grad=bias_grad,
-            bias=s.bias,
-            activation=activation,
-            negative_slope=slope,
-            residual=s.residual,
-            output=s.output,
-            mask=s.mask,
-        )
+        sums, dw, db = backend.backward_reduce(settings, grad_out, s, weight_grad, bias_grad)
     if input_grad or residual_grad:
         if input_grad and training and group is not None:
             sums = all_reduce_sums(sums, group, settings.name)  # checked: ranks out of step raise
         if residual_grad:
             dr = torch.empty_like(s.x)
-        dx = backend.batch_norm_backward_elemt(
-            grad_out,
-            s.x,
-            s.mean,
-            s.invstd,
-            s.weight,
-            sums if training else None,
-            s.stats[-1:] if training else None,
-            bias=s.bias,
-            activation=activation,
-            negative_slope=slope,
-            residual=s.residual,
-            output=s.output,
-            input_grad=input_grad,
-            out_grad_residual=dr,
-            mask=s.mask,
-        )
+        count = s.stats[-1:] if training else None
+        dx = backend.backward_elemt(settings, grad_out, s, sums if training else None, count, input_grad, dr)
     return dx, dw, db, dr

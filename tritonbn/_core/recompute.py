@@ -161,7 +161,7 @@ def global_stats(backend, settings, operands, backward: bool, enclosing: bool):
     """
     t = operands
     where, replaying = region(backward, enclosing)
-    stats = backend.batch_norm_stats(t.input, mask=t.mask)  # the PyTorch backend's output is written over its copy
+    stats = backend.stats(t.input, t.mask)  # the PyTorch backend's output is written over its copy
     if replaying:
         entry = _entry_of(where, settings, t, stats)
         if entry is not None:

@@ -8,7 +8,10 @@ Each offers the same four launchers, ``batch_norm_stats``, ``batch_norm_elemt``,
 * :mod:`tritonbn.backends.torch`: the same math in torch's own ops, which also offers a local path
   (``local``) for layers that synchronize with nobody.
 
+Both implement the launchers of :mod:`tritonbn.backends.launchers`, which also writes their public signatures once
+(:class:`~tritonbn.backends.launchers.Launchers`), and the records a call's tensors travel in.
+
 A backend knows nothing of autograd, modules or collectives: it imports only :mod:`tritonbn._compat`,
-:mod:`tritonbn._numerics` and :mod:`tritonbn.activations` from the rest of the package. Neither backend
-names the other.
+:mod:`tritonbn._numerics`, :mod:`tritonbn.activations` and :mod:`tritonbn.backends.launchers` from the rest of the
+package. Neither backend names the other.
 """

@@ -24,12 +24,15 @@ the residual's gradient into ``out_grad_residual``.
 The kernels live in :mod:`tritonbn.backends.triton`, one of the two backends behind
 :func:`tritonbn.backend.ops_for`; this is their public import path, with each pass's module
 (``tritonbn.kernels.stats``, ``.elemt``, ``.backward_reduce``, ``.backward_elemt``) and the helper
-modules of earlier releases kept importable under it.
+modules of earlier releases kept importable under it. The four launchers are the methods of
+:class:`Launchers` (where their arguments are documented), bound to the Triton backend; the PyTorch
+backend's (:mod:`tritonbn.backends.torch`) are the same methods over its own launchers.
 """
 
 import sys
 
 from tritonbn.backends import triton as _triton_backend
+from tritonbn.backends.launchers import Launchers
 from tritonbn.backends.triton import (  # noqa: F401 - re-exported (__all__ is the backend's)
     Plan,
     _common,
@@ -53,4 +56,4 @@ for _module in (_common, _launch, _plan, _tiles, _workspace, backward_elemt, bac
     sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
 del _module
 
-__all__ = list(_triton_backend.__all__)
+__all__ = [*_triton_backend.__all__, "Launchers"]

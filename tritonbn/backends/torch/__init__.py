@@ -10,38 +10,37 @@ keeps every result on the device (no host synchronization). Its files:
   with nobody makes the passes torch's own BatchNorm makes;
 * :mod:`.steps`: the building blocks, each one native op or a few.
 
-The launchers below route a call with a mask to :mod:`.masked`, and any other to :mod:`.plain`.
+The launchers below (:mod:`tritonbn.backends.launchers`) route a call with a mask to :mod:`.masked`, and any other
+to :mod:`.plain`.
 """
 
 from __future__ import annotations
 
+from tritonbn.backends.launchers import Launchers
 from tritonbn.backends.torch import local, masked, plain
 
 
-def batch_norm_stats(x, *, mask=None):
-    """See :func:`tritonbn.kernels.batch_norm_stats`."""
-    return plain.batch_norm_stats(x) if mask is None else masked.batch_norm_stats(x, mask=mask)
+def stats(x, mask):
+    return plain.batch_norm_stats(x) if mask is None else masked.batch_norm_stats(x, mask)
 
 
-def batch_norm_elemt(x, weight, bias, *, mask=None, **kwargs):
-    """See :func:`tritonbn.kernels.batch_norm_elemt`."""
-    if mask is None:
-        return plain.batch_norm_elemt(x, weight, bias, **kwargs)
-    return masked.batch_norm_elemt(x, weight, bias, mask=mask, **kwargs)
+def elemt(options, operands, stats, save_stats):
+    return (plain if operands.mask is None else masked).elemt(options, operands, stats, save_stats)
 
 
-def batch_norm_backward_reduce(grad_out, x, mean, invstd, weight=None, *, mask=None, **kwargs):
-    """See :func:`tritonbn.kernels.batch_norm_backward_reduce`."""
-    if mask is None:
-        return plain.batch_norm_backward_reduce(grad_out, x, mean, invstd, weight, **kwargs)
-    return masked.batch_norm_backward_reduce(grad_out, x, mean, invstd, weight, mask=mask, **kwargs)
+def backward_reduce(options, grad_out, saved, weight_grad, bias_grad):
+    return (plain if saved.mask is None else masked).backward_reduce(options, grad_out, saved, weight_grad, bias_grad)
 
 
-def batch_norm_backward_elemt(grad_out, x, mean, invstd, weight=None, sums=None, count=None, *, mask=None, **kwargs):
-    """See :func:`tritonbn.kernels.batch_norm_backward_elemt`."""
-    if mask is None:
-        return plain.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight, sums, count, **kwargs)
-    return masked.batch_norm_backward_elemt(grad_out, x, mean, invstd, weight, sums, count, mask=mask, **kwargs)
+def backward_elemt(options, grad_out, saved, sums, count, input_grad, out_grad_residual):
+    module = plain if saved.mask is None else masked
+    return module.backward_elemt(options, grad_out, saved, sums, count, input_grad, out_grad_residual)
 
+
+launchers = Launchers(stats, elemt, backward_reduce, backward_elemt)
+batch_norm_stats = launchers.batch_norm_stats
+batch_norm_elemt = launchers.batch_norm_elemt
+batch_norm_backward_reduce = launchers.batch_norm_backward_reduce
+batch_norm_backward_elemt = launchers.batch_norm_backward_elemt
 
 __all__ = ["batch_norm_stats", "batch_norm_elemt", "batch_norm_backward_reduce", "batch_norm_backward_elemt", "local"]

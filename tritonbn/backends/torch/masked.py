@@ -1,4 +1,4 @@
-"""Masked BatchNorm on the PyTorch backend: what its four launchers run for ``mask=``, around :mod:`.plain`.
+"""Masked BatchNorm on the PyTorch backend: what its four launchers run for a mask, around :mod:`.plain`.
 
 ``mask`` is a bool ``(N, *S)`` tensor, True at real positions. What the kernels do in their loops
 (:mod:`tritonbn.kernels`, ``HAS_MASK``) is done here around the unmasked launchers, every step on the
@@ -28,6 +28,7 @@ import torch
 
 import tritonbn.backends.torch.plain as _base
 from tritonbn._numerics import compute_dtype
+from tritonbn.backends.launchers import Operands, Saved
 from tritonbn.backends.torch.steps import _channel_sums, _constants_for, _first, _subtract
 
 _INTS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # the integer type of each float width, for the bits
@@ -53,13 +54,13 @@ def _version(t: torch.Tensor | None) -> int | None:
     return None if t is None or t.is_inference() else t._version
 
 
-def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+def batch_norm_stats(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """See :func:`tritonbn.kernels.batch_norm_stats`: ``[sum x | sum x^2 | count]`` over the real positions.
 
     As the kernel: ``d = x - p`` in the arithmetic type, ``p`` each channel's value at the first position
     of the batch (0 when that position is padding), ``d`` 0 at padded positions, ``S1`` and ``S2`` in one
     native pass (as the unmasked launcher sums), the shift removed in float64 with the real count ``n``.
-    ``d`` is left for :func:`batch_norm_elemt` to write ``y`` over.
+    ``d`` is left for :func:`elemt` to write ``y`` over.
     """
     C = x.shape[1]
     acc = compute_dtype(x.dtype)
@@ -80,10 +81,10 @@ def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat((s1 + n * p, s2 + (2 * p) * s1 + n * p * p, n))
 
 
-def batch_norm_elemt(x, weight, bias, *, mask: torch.Tensor, **kwargs):
-    """See :func:`tritonbn.kernels.batch_norm_elemt`: its output is 0 at padded positions."""
-    y, mean, invstd = _base.batch_norm_elemt(x, weight, bias, **kwargs)
-    return _zero_padded(y, mask), mean, invstd
+def elemt(options, operands: Operands, stats, save_stats: bool):
+    """See :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_elemt`: its output is 0 at padded positions."""
+    y, mean, invstd = _base.elemt(options, operands, stats, save_stats)
+    return _zero_padded(y, operands.mask), mean, invstd
 
 
 def _key(*tensors) -> tuple:
@@ -101,7 +102,7 @@ def _same(key: tuple, other: tuple) -> bool:
 
 def _take_zeroed(grad_out, x, mask, residual, output):
     """``(dy, x, residual, output)`` for the elementwise launcher: the copies zeroed at padded positions that
-    :func:`batch_norm_backward_reduce` made of these very tensors (unchanged since), handed over once (the
+    :func:`backward_reduce` made of these very tensors (unchanged since), handed over once (the
     unmasked launchers then hand over ``dz`` too), or else the tensors themselves: each gradient position reads
     only its own, and the padded ones are zeroed at the end. Copies no elementwise launcher takes (a backward
     that asks no input or residual gradient) stay in the slot until the next masked reduction replaces them."""
@@ -112,46 +113,24 @@ def _take_zeroed(grad_out, x, mask, residual, output):
     return grad_out, x, residual, output
 
 
-def batch_norm_backward_reduce(
-    grad_out, x, mean, invstd, weight=None, *, mask: torch.Tensor, residual=None, output=None, **kwargs
-):
-    """See :func:`tritonbn.kernels.batch_norm_backward_reduce`: sums over the real positions only."""
-    zeroed = tuple(_zeroed_copy(t, mask) for t in (grad_out, x, residual, output))
-    _zeroed.entry = (_key(grad_out, x, mask, residual, output), zeroed)
+def backward_reduce(options, grad_out, saved: Saved, weight_grad: bool, bias_grad: bool):
+    """See :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_backward_reduce`: sums over the real positions
+    only."""
+    s, mask = saved, saved.mask
+    zeroed = tuple(_zeroed_copy(t, mask) for t in (grad_out, s.x, s.residual, s.output))
+    _zeroed.entry = (_key(grad_out, s.x, mask, s.residual, s.output), zeroed)
     dy, xz, rz, oz = zeroed
-    return _base.batch_norm_backward_reduce(dy, xz, mean, invstd, weight, residual=rz, output=oz, **kwargs)
+    unmasked = Saved(xz, s.weight, s.bias, s.mean, s.invstd, s.stats, rz, oz)
+    return _base.backward_reduce(options, dy, unmasked, weight_grad, bias_grad)
 
 
-def batch_norm_backward_elemt(
-    grad_out,
-    x,
-    mean,
-    invstd,
-    weight=None,
-    sums=None,
-    count=None,
-    *,
-    mask: torch.Tensor,
-    residual=None,
-    output=None,
-    out_grad_residual=None,
-    **kwargs,
-):
-    """See :func:`tritonbn.kernels.batch_norm_backward_elemt`: both gradients are 0 at padded positions."""
-    dy, xz, rz, oz = _take_zeroed(grad_out, x, mask, residual, output)
-    dx = _base.batch_norm_backward_elemt(
-        dy,
-        xz,
-        mean,
-        invstd,
-        weight,
-        sums,
-        count,
-        residual=rz,
-        output=oz,
-        out_grad_residual=out_grad_residual,
-        **kwargs,
-    )
-    if out_grad_residual is not None:
-        _zero_padded(out_grad_residual, mask)
+def backward_elemt(options, grad_out, saved: Saved, sums, count, input_grad: bool, out_grad_residual):
+    """See :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_backward_elemt`: both gradients are 0 at padded
+    positions."""
+    s, mask, dr = saved, saved.mask, out_grad_residual
+    dy, xz, rz, oz = _take_zeroed(grad_out, s.x, mask, s.residual, s.output)
+    unmasked = Saved(xz, s.weight, s.bias, s.mean, s.invstd, s.stats, rz, oz)
+    dx = _base.backward_elemt(options, dy, unmasked, sums, count, input_grad, dr)
+    if dr is not None:
+        _zero_padded(dr, mask)
     return None if dx is None else _zero_padded(dx, mask)

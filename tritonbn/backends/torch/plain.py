@@ -1,4 +1,5 @@
-"""The PyTorch backend's four launchers, unmasked: the same math as :mod:`tritonbn.kernels`.
+"""The PyTorch backend's four launchers, unmasked (:mod:`tritonbn.backends.launchers`): the same math as
+:mod:`tritonbn.kernels`.
 
 It runs wherever PyTorch runs (CPU without the Triton interpreter, or a device Triton cannot target),
 keeps every result on the device (no host synchronization), and uses the same shifted statistics,
@@ -59,6 +60,7 @@ import threading
 import torch
 
 from tritonbn._numerics import compute_dtype
+from tritonbn.backends.launchers import Operands, Saved, check_elemt
 from tritonbn.backends.torch.steps import (
     _activate_,
     _channel_sums,
@@ -73,9 +75,9 @@ from tritonbn.backends.torch.steps import (
 )
 
 _aten = torch.ops.aten
-_shifted = threading.local()  # batch_norm_stats's x - p, for batch_norm_elemt to write y over (_take_shifted)
+_shifted = threading.local()  # batch_norm_stats's x - p, for elemt to write y over (_take_shifted)
 _split: list = [None]  # the last (mean, version, acc, hi, lo) of _split_mean: backward's two launchers share it
-_grads = threading.local()  # batch_norm_backward_reduce's dz (and x - hi), for batch_norm_backward_elemt (_take_dz)
+_grads = threading.local()  # backward_reduce's dz (and x - hi), for backward_elemt (_take_dz)
 
 
 def _split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,7 +120,7 @@ def batch_norm_stats(x: torch.Tensor) -> torch.Tensor:
     p = _to(_first(x), acc)  # each channel's first element (x[0, :, 0, ...])
     if x.dtype == acc:
         d = _subtract(x, p)  # torch.sub: exact near p, and |d| ~ std keeps the sums free of cancellation
-        _hand_shifted(x, d, p)  # batch_norm_elemt writes y over d (see _take_shifted)
+        _hand_shifted(x, d, p)  # elemt writes y over d (see _take_shifted)
         # native_batch_norm_backward(dy=d, x=d, mean=0, invstd=1): S1 = sum(d), S2 = sum(d * d), one read of d
         s1, s2 = _channel_sums(d, d, _constants_for(C, acc, x.device)[0])
         s1, s2, p = torch.stack((s1, s2, p)).double().unbind()  # the shift comes off in fp64, as in the kernel
@@ -144,7 +146,7 @@ def _take_shifted(x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | 
     """``(d, p)``: the ``d = x - p`` that :func:`batch_norm_stats` made from this very ``x`` (unchanged since), or
     ``(None, None)``.
 
-    Handed over once, through a per-thread slot: :func:`batch_norm_elemt` writes ``y`` over it, in place,
+    Handed over once, through a per-thread slot: :func:`elemt` writes ``y`` over it, in place,
     so the forward allocates one activation-sized buffer, as ``nn.BatchNorm2d``'s does. Any other
     sequence (stats of several tensors, then their elemts) finds no match and forms ``x - hi`` itself.
     """
@@ -175,23 +177,8 @@ def _update_running(running_mean, running_var, num_batches_tracked, mean64, var6
         num_batches_tracked.add_(n > 0.0)
 
 
-def batch_norm_elemt(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    *,
-    stats: torch.Tensor | None = None,
-    running_mean: torch.Tensor | None = None,
-    running_var: torch.Tensor | None = None,
-    num_batches_tracked: torch.Tensor | None = None,
-    momentum: float | None = 0.1,
-    eps: float = 1e-5,
-    residual: torch.Tensor | None = None,
-    activation: str | None = None,
-    negative_slope: float = 0.01,
-    save_stats: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """See :func:`tritonbn.kernels.batch_norm_elemt`.
+def elemt(options, operands: Operands, stats: torch.Tensor | None, save_stats: bool):
+    """See :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_elemt`: ``(y, mean, invstd)``.
 
     ``y = act((x - hi) * scale + shift + residual)`` with ``shift = bias - lo * scale``, as the kernel:
     ``x - hi`` formed first (one pass), then :func:`_scale_shift_` in place (one pass). In training, when
@@ -202,11 +189,11 @@ def batch_norm_elemt(
     ``var = 1``, ``eps = 0`` (``alpha = scale``, ``beta = shift - hi * scale``: exact enough for 16-bit
     outputs, see the module docstring).
     """
+    t, momentum = operands, options.momentum
+    check_elemt(t, stats, momentum)
+    x, weight, bias, residual, activation = t.input, t.weight, t.bias, t.residual, options.activation
+    running_mean, running_var = t.running_mean, t.running_var
     training = stats is not None
-    if not training and (running_mean is None or running_var is None):
-        raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
-    if momentum is None and training and running_mean is not None and num_batches_tracked is None:
-        raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
     acc = compute_dtype(x.dtype)
     C = x.shape[1]
     if training:
@@ -214,10 +201,10 @@ def batch_norm_elemt(
         mean64, ex2 = (stats[: 2 * C].view(2, C) / n.clamp_min(1.0)).unbind()
         var64 = torch.addcmul(ex2, mean64, mean64, value=-1.0).clamp_min_(0.0)  # NaN stays NaN
         if running_mean is not None:
-            _update_running(running_mean, running_var, num_batches_tracked, mean64, var64, n, momentum)
+            _update_running(running_mean, running_var, t.num_batches_tracked, mean64, var64, n, momentum)
     else:  # copies: the saved mean is an output of its own, never the running buffer
         mean64, var64 = running_mean.to(torch.float64, copy=True), running_var.to(torch.float64)
-    invstd = _to((var64 + eps).rsqrt_(), acc)
+    invstd = _to((var64 + options.eps).rsqrt_(), acc)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
     d, p = _take_shifted(x) if training else (None, None)
     if d is not None:
@@ -240,14 +227,14 @@ def batch_norm_elemt(
         z = _scale_shift_(_subtract(x, hi), scale, shift)  # torch.sub (exact near hi), then native_batch_norm
     if residual is not None:  # a 16-bit residual in float32 first: torch's mixed-type add is the slower pass
         z.add_(residual if residual.dtype == z.dtype else residual.to(z.dtype))
-    z = _activate_(z, activation, negative_slope)
+    z = _activate_(z, activation, options.negative_slope)
     y = z if z.dtype == x.dtype else torch.empty_like(x).copy_(z)
     if not save_stats:
         return y, None, None
     return y, mean64, invstd
 
 
-def _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, slope, residual, output):
+def _grad_z(grad_out, x, hi, lo, invstd, weight, options, bias, residual, output):
     """``(dz, xc)``: ``dz = dy * act'(z)``, each step one native pass (:func:`~tritonbn.backends.torch.steps.
     _epilogue_grad`), and ``xc = x - hi`` in the arithmetic type where it was made (to make ``z`` again), else
     ``None``. ``dz`` is in the arithmetic type where ``xc`` was made, else in ``x``'s (read from the output: a
@@ -260,11 +247,12 @@ def _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, slope, residu
     shift = _to(bias, acc) if bias is not None else _constants_for(x.shape[1], acc, x.device)[0]
     if lo is not None:
         shift = torch.addcmul(shift, lo, scale, value=-1.0)
-    return _epilogue_grad(grad_out, x, xc, scale, shift, activation, slope, residual, output), xc
+    dz = _epilogue_grad(grad_out, x, xc, scale, shift, options.activation, options.negative_slope, residual, output)
+    return dz, xc
 
 
 def _take_dz(grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(dz, xc)`` that :func:`batch_norm_backward_reduce` made from these very ``grad_out`` and ``x`` (unchanged
+    """``(dz, xc)`` that :func:`backward_reduce` made from these very ``grad_out`` and ``x`` (unchanged
     since), or ``(None, None)``: handed over once, through a per-thread slot, as :func:`_take_shifted` does. A
     backward that asks no input or residual gradient never takes it: the next reduction with an epilogue
     replaces it (until then the slot keeps that layer's ``dz``)."""
@@ -279,35 +267,24 @@ def _take_dz(grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | No
     return None, None
 
 
-def batch_norm_backward_reduce(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    *,
-    weight_grad: bool = True,
-    bias_grad: bool = True,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    negative_slope: float = 0.01,
-    residual: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """See :func:`tritonbn.kernels.batch_norm_backward_reduce`.
+def backward_reduce(options, grad_out: torch.Tensor, saved: Saved, weight_grad: bool, bias_grad: bool):
+    """See :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_backward_reduce`: ``(sums, grad_weight,
+    grad_bias)``.
 
     As the kernel: ``sum(dz)`` and ``sum(dz * (x - hi))`` (:func:`_channel_sums`, one native pass),
     then ``sum(dz * xhat) = (sum(dz * (x - hi)) - lo * sum(dz)) * invstd`` in the arithmetic type (its
     operands are the native op's float32 sums: float64 here would add no precision).
     """
+    s, activation = saved, options.activation
+    x, weight = s.x, s.weight
     acc = compute_dtype(x.dtype)
-    hi, lo = _split_mean(mean, acc)
-    invstd = _to(invstd, acc)
+    hi, lo = _split_mean(s.mean, acc)
+    invstd = _to(s.invstd, acc)
     if activation is None and grad_out.dtype == x.dtype:
         # native_batch_norm_backward(dy, x, mean=hi, invstd=1): sum(dy) and sum(dy * (x - hi)), x - hi per element
         sum_dz, sum_dzx = _channel_sums(grad_out, x, hi)
     else:  # dz = dy * act'(z) in acc (handed to the elemt launcher), reduced against x - hi
-        dz, xc = _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, negative_slope, residual, output)
+        dz, xc = _grad_z(grad_out, x, hi, lo, invstd, weight, options, s.bias, s.residual, s.output)
         if activation is not None:
             _grads.entry = (grad_out, _version(grad_out), x, _version(x), dz, xc)
         if xc is None:
@@ -322,24 +299,8 @@ def batch_norm_backward_reduce(
     return sums, grad_weight, grad_bias
 
 
-def batch_norm_backward_elemt(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    sums: torch.Tensor | None = None,
-    count: torch.Tensor | None = None,
-    *,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    negative_slope: float = 0.01,
-    residual: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    input_grad: bool = True,
-    out_grad_residual: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """See :func:`tritonbn.kernels.batch_norm_backward_elemt`.
+def backward_elemt(options, grad_out, saved: Saved, sums, count, input_grad: bool, out_grad_residual):
+    """See :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_backward_elemt`: ``dx``, or ``None``.
 
     As the kernel: ``dx = (dz - k * (x - hi)) * scale + c`` with ``k = mean(dz * xhat) * invstd`` and
     ``c = (k * lo - mean(dz)) * scale``: ``x - hi`` formed first (one pass, one allocation), then
@@ -347,17 +308,17 @@ def batch_norm_backward_elemt(
     16-bit inputs take these steps on float32 copies and round once at the end. In eval,
     ``dx = dz * scale``: one native pass.
     """
-    if sums is not None and count is None:
-        raise ValueError("batch_norm_backward_elemt: sums needs count")
+    s, activation = saved, options.activation
+    x, weight = s.x, s.weight
     acc = compute_dtype(x.dtype)
-    invstd = _to(invstd, acc)
+    invstd = _to(s.invstd, acc)
     scale = invstd * _to(weight, acc) if weight is not None else invstd
-    hi, lo = _split_mean(mean, acc)
+    hi, lo = _split_mean(s.mean, acc)
     xc = None
     if activation is not None:
         dz, xc = _take_dz(grad_out, x)
         if dz is None:
-            dz, xc = _grad_z(grad_out, x, hi, lo, invstd, weight, bias, activation, negative_slope, residual, output)
+            dz, xc = _grad_z(grad_out, x, hi, lo, invstd, weight, options, s.bias, s.residual, s.output)
     else:
         dz = grad_out
     if out_grad_residual is not None:

@@ -38,10 +38,10 @@ _MASKED = "tritonbn: a masked call reached the launchers prepared for a call rec
 
 
 class Prepared:
-    """The Triton backend's four launchers for the calls of one layer that match one checked record: the public
-    launchers' signatures, for calls without a mask."""
+    """The Triton backend's four launchers (:mod:`tritonbn.backends.launchers`) for the calls of one layer that match
+    one checked record, calls without a mask."""
 
-    __slots__ = ("name", "local", "prepare", "generation", "stats", "elemt", "reduce", "elemt_backward", "like")
+    __slots__ = ("name", "local", "prepare", "generation", "_stats", "_elemt", "_reduce", "_elemt_backward", "like")
 
     def __init__(self) -> None:
         self.name, self.local, self.prepare = "triton", None, None  # what the passes read of a Backend
@@ -51,134 +51,82 @@ class Prepared:
         """Start again with no launches found (at first, and after :func:`~tritonbn.backends.triton._plan.clear_caches`
         made those found stale)."""
         self.generation = _plan.generation
-        self.stats = None
-        self.elemt: dict = {}
-        self.reduce: dict = {}
-        self.elemt_backward: dict = {}
+        self._stats = None
+        self._elemt: dict = {}
+        self._reduce: dict = {}
+        self._elemt_backward: dict = {}
         # What the launchers allocate at each call (``"stats"``, ``"elemt"``: mean and invstd, ``"reduce"``: the sums
         # and a parameter's gradient), made once by the launchers' own allocators at the first call that needs them:
         # they allocate ``torch.empty_like`` of these (no sizes, dtype and device parsed; about 9 us less host time
         # per training forward+backward, in benchmarks/host_overhead.py, than ``torch.empty(..., dtype=, device=)``).
         self.like: dict = {}
 
-    def batch_norm_stats(self, x, *, mask=None):
+    def stats(self, x, mask):
         if mask is not None:
             raise RuntimeError(_MASKED)
         if self.generation != _plan.generation:  # the plans were cleared: find the launches again
             self._forget()
-        launch = self.stats
+        launch = self._stats
         if launch is None:
-            launch = self.stats = statistics.find(x)
+            launch = self._stats = statistics.find(x)
         like = self.like.get("stats")
         if like is None:
             like = self.like["stats"] = statistics.new_stats(x)
         return statistics.run(launch, x, None, like)
 
-    def batch_norm_elemt(
-        self,
-        x,
-        weight,
-        bias,
-        *,
-        stats=None,
-        running_mean=None,
-        running_var=None,
-        num_batches_tracked=None,
-        momentum=0.1,
-        eps=1e-5,
-        residual=None,
-        activation=None,
-        negative_slope=0.01,
-        save_stats=True,
-        mask=None,
-    ):
-        if mask is not None:
+    def elemt(self, options, operands, stats, save_stats):
+        t = operands
+        if t.mask is not None:
             raise RuntimeError(_MASKED)
-        args = (x, weight, bias, stats, running_mean, running_var, num_batches_tracked)
         if self.generation != _plan.generation:
             self._forget()
-        mode = (None if stats is None else stats.dtype, running_mean is None, running_var is None, weight is None)
-        mode += (num_batches_tracked is None, bias is None, residual is None, save_stats, momentum, eps, activation)
-        mode += (negative_slope,)
-        launch = self.elemt.get(mode)
+        mode = (None if stats is None else stats.dtype, t.running_mean is None, t.running_var is None)
+        mode += (t.weight is None, t.num_batches_tracked is None, t.bias is None, t.residual is None, save_stats)
+        mode += (options.momentum, options.eps, options.activation, options.negative_slope)
+        launch = self._elemt.get(mode)
         if launch is None:
-            launch = self.elemt[mode] = elemt.find(
-                *args, momentum, eps, residual, activation, negative_slope, save_stats, own=True
-            )
+            launch = self._elemt[mode] = elemt.find(options, t, stats, save_stats, own=True)
         like = self.like.get("elemt")
         if like is None:
-            like = self.like["elemt"] = elemt.new_saved(x)
-        return elemt.run(launch, *args, residual, save_stats, None, like)
+            like = self.like["elemt"] = elemt.new_saved(t.input)
+        return elemt.run(launch, t, stats, save_stats, None, like)
 
-    def batch_norm_backward_reduce(
-        self,
-        grad_out,
-        x,
-        mean,
-        invstd,
-        weight=None,
-        *,
-        weight_grad=True,
-        bias_grad=True,
-        bias=None,
-        activation=None,
-        negative_slope=0.01,
-        residual=None,
-        output=None,
-        mask=None,
-    ):
-        if mask is not None:
+    def _backward(self, options, grad_out, saved) -> tuple:
+        """What both backward launchers start with: ``(aux, aux_kind)`` (:func:`aux_tensor`) and the part of their
+        keys they share: the upstream gradient's strides and dtype, the parameters' dtypes and the epilogue."""
+        s, slope = saved, options.negative_slope
+        if s.mask is not None:
             raise RuntimeError(_MASKED)
         if self.generation != _plan.generation:
             self._forget()
-        aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-        mode = (grad_out.stride(), grad_out.dtype, None if weight is None else weight.dtype, weight_grad, bias_grad)
-        mode += (None if bias is None else bias.dtype, activation, negative_slope, aux_kind)
-        args = (grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad)
-        launch = self.reduce.get(mode)
+        aux, aux_kind = aux_tensor(options.activation, s.residual, s.output, slope)
+        weight, bias = s.weight, s.bias
+        mode = (grad_out.stride(), grad_out.dtype, None if weight is None else weight.dtype)
+        mode += (None if bias is None else bias.dtype, options.activation, slope, aux_kind)
+        return aux, aux_kind, mode
+
+    def backward_reduce(self, options, grad_out, saved, weight_grad, bias_grad):
+        s = saved
+        aux, aux_kind, mode = self._backward(options, grad_out, s)
+        mode += (weight_grad, bias_grad)
+        launch = self._reduce.get(mode)
         if launch is None:
-            launch = self.reduce[mode] = backward_reduce.find(
-                *args, activation, negative_slope, aux, aux_kind, own=True
-            )
+            found = backward_reduce.find(options, grad_out, s, weight_grad, bias_grad, aux, aux_kind, own=True)
+            launch = self._reduce[mode] = found
         like = self.like.get("reduce")
         if like is None:
-            like = self.like["reduce"] = backward_reduce.new_sums(x), backward_reduce.new_param_grad(x, weight)
-        return backward_reduce.run(launch, *args, aux, None, like)
+            like = self.like["reduce"] = backward_reduce.new_sums(s.x), backward_reduce.new_param_grad(s.x, s.weight)
+        return backward_reduce.run(launch, grad_out, s, weight_grad, bias_grad, aux, None, like)
 
-    def batch_norm_backward_elemt(
-        self,
-        grad_out,
-        x,
-        mean,
-        invstd,
-        weight=None,
-        sums=None,
-        count=None,
-        *,
-        bias=None,
-        activation=None,
-        negative_slope=0.01,
-        residual=None,
-        output=None,
-        input_grad=True,
-        out_grad_residual=None,
-        mask=None,
-    ):
-        if mask is not None:
-            raise RuntimeError(_MASKED)
-        dr = out_grad_residual
-        if self.generation != _plan.generation:
-            self._forget()
-        aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-        mode = (grad_out.stride(), grad_out.dtype, None if weight is None else weight.dtype, sums is None, input_grad)
-        mode += (None if bias is None else bias.dtype, dr is None, activation, negative_slope, aux_kind)
-        args = (grad_out, x, mean, invstd, weight, bias, sums, count)
-        launch = self.elemt_backward.get(mode)
+    def backward_elemt(self, options, grad_out, saved, sums, count, input_grad, out_grad_residual):
+        s, dr = saved, out_grad_residual
+        aux, aux_kind, mode = self._backward(options, grad_out, s)
+        mode += (sums is None, input_grad, dr is None)
+        launch = self._elemt_backward.get(mode)
         if launch is None:
-            launch = self.elemt_backward[mode] = backward_elemt.find(
-                *args, activation, negative_slope, aux, aux_kind, input_grad, dr, own=True
-            )
-        return backward_elemt.run(launch, *args, aux, input_grad, dr)
+            found = backward_elemt.find(options, grad_out, s, sums, count, aux, aux_kind, input_grad, dr, own=True)
+            launch = self._elemt_backward[mode] = found
+        return backward_elemt.run(launch, grad_out, s, sums, count, aux, input_grad, dr)
 
 
 def prepare(record) -> Prepared:

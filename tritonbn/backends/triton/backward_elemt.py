@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonbn.backends.launchers import Saved
 from tritonbn.backends.triton._common import (
     ACTIVATION_CODES,
     AUX_OUTPUT,
@@ -205,83 +206,27 @@ def _batch_norm_backward_elemt_kernel(
             keep = keep_next
 
 
-def batch_norm_backward_elemt(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    sums: torch.Tensor | None = None,
-    count: torch.Tensor | None = None,
-    *,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    negative_slope: float = 0.01,
-    residual: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    input_grad: bool = True,
-    out_grad_residual: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Input gradient of batch norm (and of a fused residual add and activation).
-
-    Args:
-        grad_out: ``(N, C, *S)`` upstream gradient, any strides.
-        x: the forward input, any strides.
-        mean, invstd: ``(C,)`` statistics the forward normalized with.
-        weight: ``(C,)`` or ``None``.
-        sums: ``(2, C)`` ``[sum_dz | sum_dz_xhat]`` summed over the ranks that shared the
-            statistics (from :func:`batch_norm_backward_reduce` plus an all-reduce). ``None`` means
-            the statistics were constants (eval): ``dx = dz * invstd * weight``.
-        count: float64 tensor whose first element is the global element count per channel
-            (``stats[-1:]`` of the forward's summed ``stats``); required with ``sums``.
-        bias, activation, negative_slope, residual, output: the fused epilogue of the forward, as
-            for :func:`batch_norm_backward_reduce`.
-        input_grad: compute ``dx`` (else return ``None``, e.g. to fill only the residual's gradient).
-        out_grad_residual: a tensor shaped like ``x`` to write the residual's gradient ``dz`` into.
-        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions; both gradients are 0
-            at the others, and ``count`` is the real positions' (from the masked forward's ``stats``).
-
-    Returns:
-        ``dx`` like ``x`` (same dtype and memory format), or ``None`` when ``input_grad`` is false.
-    """
-    training = sums is not None
-    if training and count is None:
-        raise ValueError("batch_norm_backward_elemt: sums needs count")
-    aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-    if not input_grad and out_grad_residual is None:
+def launcher(options, grad_out, saved: Saved, sums, count, input_grad: bool, out_grad_residual):
+    """The input gradient (see :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_backward_elemt`): ``dx``, or
+    ``None`` without ``input_grad``; one launch, none where no gradient is asked for."""
+    s, dr = saved, out_grad_residual
+    aux, aux_kind = aux_tensor(options.activation, s.residual, s.output, options.negative_slope)
+    if not input_grad and dr is None:
         return None
-    if mask is not None:
-        mask = channel_view(mask, x)
-    args = (grad_out, x, mean, invstd, weight, bias, sums, count)
-    launch = find(*args, activation, negative_slope, aux, aux_kind, input_grad, out_grad_residual, mask)
-    return run(launch, *args, aux, input_grad, out_grad_residual, mask)
+    mask = None if s.mask is None else channel_view(s.mask, s.x)
+    launch = find(options, grad_out, s, sums, count, aux, aux_kind, input_grad, dr, mask)
+    return run(launch, grad_out, s, sums, count, aux, input_grad, dr, mask)
 
 
-def find(
-    grad_out,
-    x,
-    mean,
-    invstd,
-    weight,
-    bias,
-    sums,
-    count,
-    activation,
-    negative_slope,
-    aux,
-    aux_kind,
-    input_grad,
-    dr,
-    mask=None,
-    own=False,
-) -> Launch:
-    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
-    from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
-    the calls of one layer like the last one). ``own``: ``mean``, ``invstd``, an ``output``, ``sums``, ``count`` and
-    ``out_grad_residual`` are the passes' own (``count`` a view of their ``stats`` at a multiple of 16 bytes), whose
-    alignment the launch need not read."""
-    key = (x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype, own)
+def find(options, grad_out, saved: Saved, sums, count, aux, aux_kind, input_grad, dr, mask=None, own=False) -> Launch:
+    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it, not
+    the one in ``saved``), from the cache keyed by what it depends on besides the pointers' alignment
+    (``_prepared``'s launchers keep it for the calls of one layer like the last one). ``own``: ``mean``, ``invstd``,
+    an ``output``, ``sums``, ``count`` and ``dr`` (the residual's gradient) are the passes' own (``count`` a view of
+    their ``stats`` at a multiple of 16 bytes), whose alignment the launch need not read."""
+    s, activation, negative_slope = saved, options.activation, options.negative_slope
+    x, weight, bias = s.x, s.weight, s.bias
+    key = (x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, s.mean.dtype, s.invstd.dtype, own)
     key += (None if weight is None else weight.dtype, None if bias is None else bias.dtype, activation, input_grad)
     key += (None if sums is None else (sums.dtype, count.dtype), negative_slope, None if dr is None else dr.stride())
     key += (None if dr is None else dr.dtype, None if aux is None else (aux_kind, aux.stride(), aux.dtype))
@@ -294,18 +239,19 @@ def find(
     return launch
 
 
-def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, sums, count, aux, input_grad, dr, mask=None):
-    """:func:`batch_norm_backward_elemt` with its launch found (:func:`find`): ``dx``, or ``None``."""
-    training = sums is not None
+def run(launch: Launch, grad_out, saved: Saved, sums, count, aux, input_grad, dr, mask=None):
+    """:func:`launcher` with its launch found (:func:`find`): ``dx``, or ``None``. ``mask``: as :func:`find` takes
+    it."""
+    x, invstd, training = saved.x, saved.invstd, sums is not None
     dx = torch.empty_like(x) if input_grad else None  # preserve_format, the default
-    weight, bias = dense(weight), dense(bias)
+    weight, bias = dense(saved.weight), dense(saved.bias)
     launch(
         grad_out,
         x,
         aux if aux is not None else x,
         dx if dx is not None else x,
         dr if dr is not None else x,
-        mean,
+        saved.mean,
         invstd,
         weight if weight is not None else invstd,
         bias if bias is not None else invstd,

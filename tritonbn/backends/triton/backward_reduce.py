@@ -20,6 +20,7 @@ import triton.language as tl
 
 from tritonbn._numerics import compute_dtype
 from tritonbn.activations import check_output_gives_grad
+from tritonbn.backends.launchers import Saved
 from tritonbn.backends.triton._common import (
     ACTIVATION_CODES,
     AUX_NONE,
@@ -263,74 +264,25 @@ def aux_tensor(activation, residual, output, negative_slope) -> tuple[torch.Tens
     return None, AUX_NONE
 
 
-def batch_norm_backward_reduce(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    *,
-    weight_grad: bool = True,
-    bias_grad: bool = True,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    negative_slope: float = 0.01,
-    residual: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Local per-channel reductions for the backward pass.
-
-    Args:
-        grad_out: ``(N, C, *S)`` upstream gradient ``dy``, any strides (a stride-0 expanded
-            gradient works).
-        x: the forward input, any strides.
-        mean, invstd: ``(C,)`` saved statistics from :func:`batch_norm_elemt`.
-        weight: ``(C,)`` parameter or ``None``; gives the dtype of ``grad_weight``/``grad_bias``.
-        weight_grad, bias_grad: whether to return ``grad_weight`` / ``grad_bias``.
-        bias, activation, negative_slope, residual, output: for a forward with a fused activation,
-            ``dy`` is taken at ``y = act(z)`` and the sums are over ``dz = dy * act'(z)``. ``act'`` is
-            read from the sign of ``output`` (y) when given (relu, or leaky_relu with a slope >= 0),
-            else from ``z = xhat * weight + bias (+ residual)`` recomputed from ``x``.
-        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions; the sums cover those
-            only (the forward's output is a constant 0 at the others).
-
-    Returns:
-        ``(sums, grad_weight, grad_bias)``: ``sums`` is ``(2, C)`` fp32 (fp64 for float64 ``x``) contiguous,
-        ``[sum(dz) | sum(dz * xhat)]``, to be summed over ranks; ``grad_weight = sum(dz * xhat)``
-        and ``grad_bias = sum(dz)`` are this rank's own, or ``None`` when not asked for.
-    """
-    if mask is not None:
-        mask = channel_view(mask, x)
-    aux, aux_kind = aux_tensor(activation, residual, output, negative_slope)
-    launch = find(
-        grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, activation, negative_slope, aux, aux_kind, mask
-    )
-    return run(launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask)
+def launcher(options, grad_out: torch.Tensor, saved: Saved, weight_grad: bool, bias_grad: bool):
+    """The backward sums (see :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_backward_reduce`): ``(sums,
+    grad_weight, grad_bias)``, one launch."""
+    s = saved
+    mask = None if s.mask is None else channel_view(s.mask, s.x)
+    aux, aux_kind = aux_tensor(options.activation, s.residual, s.output, options.negative_slope)
+    launch = find(options, grad_out, s, weight_grad, bias_grad, aux, aux_kind, mask)
+    return run(launch, grad_out, s, weight_grad, bias_grad, aux, mask)
 
 
-def find(
-    grad_out,
-    x,
-    mean,
-    invstd,
-    weight,
-    bias,
-    weight_grad,
-    bias_grad,
-    activation,
-    negative_slope,
-    aux,
-    aux_kind,
-    mask=None,
-    own=False,
-) -> Launch:
-    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it),
-    from the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for
-    the calls of one layer like the last one). ``own``: ``mean``, ``invstd`` and an ``output`` are the passes' own
-    (allocated by :func:`~tritonbn.backends.triton.elemt.batch_norm_elemt`), whose alignment the launch need not
-    read."""
-    key = (x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, mean.dtype, invstd.dtype, own)
+def find(options, grad_out, saved: Saved, weight_grad, bias_grad, aux, aux_kind, mask=None, own=False) -> Launch:
+    """The launch for these arguments (``aux`` from :func:`aux_tensor`, ``mask`` as :func:`channel_view` gives it, not
+    the one in ``saved``), from the cache keyed by what it depends on besides the pointers' alignment
+    (``_prepared``'s launchers keep it for the calls of one layer like the last one). ``own``: ``mean``, ``invstd``
+    and an ``output`` are the passes' own (allocated by the forward's elementwise launcher), whose alignment the
+    launch need not read."""
+    s, activation, negative_slope = saved, options.activation, options.negative_slope
+    x, weight, bias = s.x, s.weight, s.bias
+    key = (x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, s.mean.dtype, s.invstd.dtype, own)
     key += (None if weight is None else weight.dtype, None if bias is None else bias.dtype, weight_grad, bias_grad)
     key += (activation, negative_slope, None if aux is None else (aux_kind, aux.stride(), aux.dtype))
     if mask is not None:
@@ -352,10 +304,11 @@ def new_param_grad(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor
     return torch.empty(x.shape[1], dtype=compute_dtype(x.dtype) if weight is None else weight.dtype, device=x.device)
 
 
-def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bias_grad, aux, mask=None, like=None):
-    """:func:`batch_norm_backward_reduce` with its launch found (:func:`find`): ``(sums, grad_weight, grad_bias)``.
-    ``like``: a :func:`new_sums` tensor and a :func:`new_param_grad` one kept for such calls, allocated again by
-    ``torch.empty_like``."""
+def run(launch: Launch, grad_out, saved: Saved, weight_grad, bias_grad, aux, mask=None, like=None):
+    """:func:`launcher` with its launch found (:func:`find`): ``(sums, grad_weight, grad_bias)``. ``mask``: as
+    :func:`find` takes it. ``like``: a :func:`new_sums` tensor and a :func:`new_param_grad` one kept for such calls,
+    allocated again by ``torch.empty_like``."""
+    x, weight, bias, invstd = saved.x, saved.weight, saved.bias, saved.invstd
     if like is None:
         sums = new_sums(x)
         grad_weight = new_param_grad(x, weight) if weight_grad else None
@@ -370,7 +323,7 @@ def run(launch: Launch, grad_out, x, mean, invstd, weight, bias, weight_grad, bi
         grad_out,
         x,
         aux if aux is not None else x,
-        mean,
+        saved.mean,
         invstd,
         weight if weight is not None else invstd,
         bias if bias is not None else invstd,

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from tritonbn._numerics import compute_dtype
+from tritonbn.backends.launchers import Operands, check_elemt
 from tritonbn.backends.triton._common import (
     ACTIVATION_CODES,
     acc_dtypes,
@@ -223,97 +224,38 @@ def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.preserve_format)
 
 
-def batch_norm_elemt(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    *,
-    stats: torch.Tensor | None = None,
-    running_mean: torch.Tensor | None = None,
-    running_var: torch.Tensor | None = None,
-    num_batches_tracked: torch.Tensor | None = None,
-    momentum: float | None = 0.1,
-    eps: float = 1e-5,
-    residual: torch.Tensor | None = None,
-    activation: str | None = None,
-    negative_slope: float = 0.01,
-    save_stats: bool = True,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Normalize ``x``, then add ``residual`` and apply ``activation``; in training, also update the running stats.
-
-    Args:
-        x: ``(N, C, *S)`` input, fp32/fp16/bf16/fp64, any strides.
-        weight, bias: ``(C,)`` affine parameters, or ``None``.
-        stats: the packed global sums ``(2C + 1,)`` fp64 from :func:`batch_norm_stats` (summed over
-            ranks). Given: training mode, normalize with the batch statistics. ``None``: eval mode,
-            normalize with ``running_mean`` / ``running_var``, which are then required.
-        running_mean, running_var: ``(C,)`` buffers. In training they are updated in place
-            (unbiased var), unless both are ``None``.
-        num_batches_tracked: ``()`` int64 buffer, incremented in place in training when given.
-            Required when ``momentum`` is ``None`` (cumulative moving average).
-        momentum: the running-stat update factor, or ``None`` for a cumulative average.
-        eps: added to the variance.
-        residual: a tensor shaped like ``x`` (any strides) added after the affine transform, or ``None``.
-        activation: ``None``, ``"relu"``, ``"leaky_relu"`` (with ``negative_slope``) or ``"silu"``,
-            applied last.
-        save_stats: return the statistics ``y`` was normalized with (what backward needs); ``False``
-            skips them (inference).
-        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions; ``y`` is 0 at the
-            others (after the activation). ``stats`` then holds the real positions' sums and count.
-
-    Returns:
-        ``(y, mean, invstd)``: ``y`` like ``x`` (same dtype and memory format), ``mean`` ``(C,)``
-        fp64 and ``invstd`` ``(C,)`` fp32 (fp64 for float64 ``x``), the statistics ``y`` was
-        normalized with; both ``None`` when ``save_stats`` is false.
-    """
+def launcher(options, operands: Operands, stats, save_stats: bool):
+    """Normalize (see :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_elemt`): ``(y, mean, invstd)``, one
+    launch."""
+    mask = operands.mask
     if mask is not None:
-        mask = channel_view(mask, x)
-    args = (x, weight, bias, stats, running_mean, running_var, num_batches_tracked)
-    launch = find(*args, momentum, eps, residual, activation, negative_slope, save_stats, mask)
-    return run(launch, *args, residual, save_stats, mask)
+        mask = channel_view(mask, operands.input)
+    launch = find(options, operands, stats, save_stats, mask)
+    return run(launch, operands, stats, save_stats, mask)
 
 
-def find(
-    x,
-    weight,
-    bias,
-    stats,
-    running_mean,
-    running_var,
-    num_batches_tracked,
-    momentum,
-    eps,
-    residual,
-    activation,
-    negative_slope,
-    save_stats,
-    mask=None,
-    own=False,
-) -> Launch:
-    """The launch for these arguments (``mask`` as :func:`channel_view` gives it), from the cache keyed by what it
-    depends on besides the pointers' alignment (``_prepared``'s launchers keep it for the calls of one layer like the
-    last one). Raises where the arguments contradict each other. ``own``: ``stats`` is the passes' own (allocated by
-    :func:`batch_norm_stats`, or a copy), whose alignment the launch need not read."""
-    training = stats is not None
-    if not training and (running_mean is None or running_var is None):
-        raise ValueError("batch_norm_elemt: eval mode (stats=None) needs running_mean and running_var")
-    update = training and running_mean is not None
-    if momentum is None and update and num_batches_tracked is None:
-        raise ValueError("batch_norm_elemt: momentum=None needs num_batches_tracked")
+def find(options, operands: Operands, stats, save_stats: bool, mask=None, own=False) -> Launch:
+    """The launch for these arguments (``mask`` as :func:`channel_view` gives it, not the one in ``operands``), from
+    the cache keyed by what it depends on besides the pointers' alignment (``_prepared``'s launchers keep it for the
+    calls of one layer like the last one). Raises where the arguments contradict each other. ``own``: ``stats`` is
+    the passes' own (allocated by the statistics launcher, or a copy), whose alignment the launch need not read."""
+    t, momentum = operands, options.momentum
+    x, weight, bias, residual = t.input, t.weight, t.bias, t.residual
+    check_elemt(t, stats, momentum)
+    eps, activation, negative_slope = options.eps, options.activation, options.negative_slope
     # What the launch depends on besides the pointers' alignment: every pointer's dtype among the rest.
     key = (x.shape, x.stride(), x.dtype, x.device, save_stats, momentum, eps, activation, negative_slope, own)
     key += (None if stats is None else stats.dtype, None if weight is None else weight.dtype)
     key += (None if bias is None else bias.dtype, None if residual is None else (residual.stride(), residual.dtype))
     key += (
-        None if running_mean is None else (running_mean.dtype, running_var.dtype),
-        None if num_batches_tracked is None else num_batches_tracked.dtype,
+        None if t.running_mean is None else (t.running_mean.dtype, t.running_var.dtype),
+        None if t.num_batches_tracked is None else t.num_batches_tracked.dtype,
     )
     if mask is not None:
         key = (*key, mask.stride())
     launch = _launches.get(key)
     if launch is None:
-        tensors = (x, weight, bias, stats, running_mean, num_batches_tracked, residual, mask)
+        tensors = (x, weight, bias, stats, t.running_mean, t.num_batches_tracked, residual, mask)
         launch = cache_put(
             _launches, key, _launch(tensors, (momentum, eps, activation, negative_slope, save_stats), own=own)
         )
@@ -327,24 +269,12 @@ def new_saved(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, torch.empty(C, dtype=compute_dtype(x.dtype), device=device)
 
 
-def run(
-    launch: Launch,
-    x,
-    weight,
-    bias,
-    stats,
-    running_mean,
-    running_var,
-    num_batches_tracked,
-    residual,
-    save_stats,
-    mask=None,
-    like=None,
-):
-    """:func:`batch_norm_elemt` with its launch found (:func:`find`): ``(y, mean, invstd)``. ``like``: a
-    :func:`new_saved` pair kept for such calls, allocated again by ``torch.empty_like``."""
-    device = x.device
-    weight, bias, rm, rv = dense(weight), dense(bias), dense(running_mean), dense(running_var)
+def run(launch: Launch, operands: Operands, stats, save_stats: bool, mask=None, like=None):
+    """:func:`launcher` with its launch found (:func:`find`): ``(y, mean, invstd)``. ``mask``: as :func:`find` takes
+    it. ``like``: a :func:`new_saved` pair kept for such calls, allocated again by ``torch.empty_like``."""
+    t = operands
+    x, residual, num_batches_tracked = t.input, t.residual, t.num_batches_tracked
+    weight, bias, rm, rv = dense(t.weight), dense(t.bias), dense(t.running_mean), dense(t.running_var)
     y = torch.empty_like(x)  # preserve_format, the default (0.2 us cheaper than passing it)
     if save_stats:
         mean, invstd = new_saved(x) if like is None else (torch.empty_like(like[0]), torch.empty_like(like[1]))
@@ -362,15 +292,15 @@ def run(
         rm if rm is not None else dummy,
         rv if rv is not None else dummy,
         num_batches_tracked if num_batches_tracked is not None else dummy,
-        workspace(device, 1).tickets if launch.tickets else dummy,
+        workspace(x.device, 1).tickets if launch.tickets else dummy,
         dummy if mean is None else mean,
         dummy if invstd is None else invstd,
         x if mask is None else mask,
     )
-    if rm is not running_mean:  # the update of a strided buffer, made in a dense copy
-        running_mean.copy_(rm)
-    if rv is not running_var:
-        running_var.copy_(rv)
+    if rm is not t.running_mean:  # the update of a strided buffer, made in a dense copy
+        t.running_mean.copy_(rm)
+    if rv is not t.running_var:
+        t.running_var.copy_(rv)
     return y, mean, invstd
 
 

@@ -192,22 +192,8 @@ def _batch_norm_stats_kernel(
             tl.store(stats_ptr + 2 * C, n)
 
 
-def batch_norm_stats(x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Local per-channel statistics of ``x``, packed for one SUM all-reduce (one launch).
-
-    Args:
-        x: ``(N, C, *S)`` input of any rank >= 2, dtype fp32/fp16/bf16/fp64, any strides
-            (contiguous, channels_last, permuted). ``N`` may be 0.
-        mask: masked BatchNorm: a bool ``(N, *S)`` tensor, True at real positions (any strides). The
-            sums and the count then cover the real positions only; what padded positions hold is never
-            used.
-
-    Returns:
-        ``stats``: ``(2C + 1,)`` float64, ``[sum(x) (C) | sum(x^2) (C) | count]``, where ``count`` is
-        the number of elements (real positions) per channel. Buffers from several ranks combine by summing;
-        :func:`batch_norm_elemt` turns them into mean and var, and ``stats[-1:]`` is the count
-        :func:`batch_norm_backward_elemt` takes.
-    """
+def launcher(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The statistics of ``x`` (see :meth:`~tritonbn.backends.launchers.Launchers.batch_norm_stats`): one launch."""
     if mask is not None:
         mask = channel_view(mask, x)
     return run(find(x, mask), x, mask)
