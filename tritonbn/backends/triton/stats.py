@@ -46,6 +46,17 @@ from tritonbn.backends.triton._plan import cache_put, launch_cache, plan
 from tritonbn.backends.triton._workspace import workspace
 
 
+@triton.jit
+def _add_tile(s1, s2, kept, x, pivot, keep, ACC: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One tile into a program's per-lane shifted sums: ``d = x - pivot``, then ``(s1 + d, s2 + d * d, kept)``. Masked,
+    a padded position adds exactly 0, whatever it holds, and ``kept`` counts the real ones."""
+    d = x.to(ACC) - pivot
+    if HAS_MASK:
+        d = tl.where(keep, d, 0.0)
+        kept += keep.to(tl.int32)
+    return s1 + d, s2 + d * d, kept
+
+
 # One compiled kernel whether a program gets one tile or many, one partial or many (Triton would
 # specialize arguments equal to 1 and drop the loop).
 @triton.jit(do_not_specialize=["tiles_per_prog", "R", "G"])
@@ -124,6 +135,7 @@ def _batch_norm_stats_kernel(
     inner, mask = tile_mask(it, t_start < t_end, row_mask, lanes, inner_v, BLOCK_I, VEC)
     offs = tile_offsets(o, rows, inner, O1, O2, sx_c, sx_o0, sx_o1, sx_o2, sx_i, OVEC)
     x = tl.load(x_ptr + offs, mask=mask, other=first_l)
+    keep, keep2, kept = 0, 0, 0  # the mask's lanes and count: unused without one
     if HAS_MASK:
         keep = tile_keep(m_ptr, o, inner, t_start < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i, OVEC)
         kept = tl.zeros(keep.shape, dtype=tl.int32)  # real positions per lane
@@ -153,23 +165,15 @@ def _batch_norm_stats_kernel(
             if HAS_MASK:
                 keep2_next = tile_keep(m_ptr, o, inner, t + 3 < t_end, inner_v, O1, O2, sm_o0, sm_o1, sm_o2, sm_i,
                                        OVEC)  # fmt: skip
-        d = x.to(ACC) - pivot_l
-        if HAS_MASK:  # a padded position adds exactly 0, whatever it holds
-            d = tl.where(keep, d, 0.0)
-            kept += keep.to(tl.int32)
-            keep = keep_next
-        s1 += d
-        s2 += d * d
+        s1, s2, kept = _add_tile(s1, s2, kept, x, pivot_l, keep, ACC, HAS_MASK)
         x = x_next
+        if HAS_MASK:
+            keep = keep_next
         if UNROLL == 2:
-            d = x2.to(ACC) - pivot_l
-            if HAS_MASK:
-                d = tl.where(keep2, d, 0.0)
-                kept += keep2.to(tl.int32)
-                keep2 = keep2_next
-            s1 += d
-            s2 += d * d
+            s1, s2, kept = _add_tile(s1, s2, kept, x2, pivot_l, keep2, ACC, HAS_MASK)
             x2 = x2_next
+            if HAS_MASK:
+                keep2 = keep2_next
 
     # This program's partials, its lanes merged in fp64.
     store_partials(
