@@ -78,6 +78,7 @@ from tritonbn._core import call, checks, dispatch, eager, route  # noqa: E402
 from tritonbn._core import passes as data_path  # noqa: E402
 from tritonbn._core.checks import check_inputs  # noqa: E402
 from tritonbn.activations import check_activation  # noqa: E402
+from tritonbn.backends.launchers import Operands, Saved  # noqa: E402
 from tritonbn.cli.resnet50 import resnet50  # noqa: E402
 from tritonbn.kernels import _launch, plan  # noqa: E402
 from tritonbn.kernels._launch import Launch  # noqa: E402
@@ -281,7 +282,7 @@ def layer_cases():
     rm, rv, w, b, nbt = bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.num_batches_tracked
     ops = backend.ops_for(x)
     layer = call.settings_for(True, 0.1, 1e-5, None, 0.01, None, debug_group=None)
-    operands = call.Operands(x, w, b, rm, rv, nbt)
+    operands = Operands(x, w, b, rm, rv, nbt)
     fwd = data_path.forward_pass
     bwd = data_path.backward_pass
     apply = eager.apply_eager
@@ -302,24 +303,26 @@ def layer_cases():
 
     def passes():
         y, mean, invstd, stats = fwd(ops, layer, operands)
-        bwd(ops, layer, g, call.Saved(x, w, b, mean, invstd, stats), (True, True, True, False))
+        bwd(ops, layer, g, Saved(x, w, b, mean, invstd, stats), (True, True, True, False))
 
     with torch.no_grad():
         y0, mean0, invstd0, stats0 = fwd(ops, layer, operands)
     count0 = stats0[-1:]
-    sums0 = ops.batch_norm_backward_reduce(g, x, mean0, invstd0, w)[0]
+    saved0 = Saved(x, w, b, mean0, invstd0, stats0)
+    sums0 = ops.backward_reduce(layer, g, saved0, True, True)[0]
 
+    # The launchers as the passes call them (tritonbn.backends.launchers), not their public keyword forms.
     def launch_stats():
-        ops.batch_norm_stats(x)
+        ops.stats(x, None)
 
     def launch_elemt():
-        ops.batch_norm_elemt(x, w, b, stats=stats0, running_mean=rm, running_var=rv, num_batches_tracked=nbt)
+        ops.elemt(layer, operands, stats0, True)
 
     def launch_reduce():
-        ops.batch_norm_backward_reduce(g, x, mean0, invstd0, w, bias=b)
+        ops.backward_reduce(layer, g, saved0, True, True)
 
     def launch_backward_elemt():
-        ops.batch_norm_backward_elemt(g, x, mean0, invstd0, w, sums0, count0, bias=b)
+        ops.backward_elemt(layer, g, saved0, sums0, count0, True, None)
 
     def launchers():
         launch_stats()
@@ -328,7 +331,7 @@ def layer_cases():
         launch_backward_elemt()
 
     def first_call_checks():
-        check_inputs(call.Operands(x, w, b, rm, rv, nbt), 0.1, 1e-5, True, C)
+        check_inputs(Operands(x, w, b, rm, rv, nbt), 0.1, 1e-5, True, C)
         check_activation(None, 0.01)
 
     def repeats():  # the layer's record, made by its first call (the warm-up's)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
-from tritonbn._core.call import Operands, settings_for
+from tritonbn._core.call import settings_for
 from tritonbn._core.checks import mask_from_lengths
 from tritonbn._core.dispatch import run
+from tritonbn.backends.launchers import Operands
 from tritonbn.distributed import resolve_group
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritonbn._core.call import LayerSettings, Operands, in_backward, settings_for
+from tritonbn._core.call import LayerSettings, in_backward, settings_for
 from tritonbn._core.checks import check_inputs, check_momentum, mask_from_lengths
 from tritonbn._core.dispatch import run
 from tritonbn._core.lowering import exported_keywords, script_error
@@ -29,6 +29,7 @@ from tritonbn._norm_layers import (
     why_not_converted,
 )
 from tritonbn.activations import check_activation
+from tritonbn.backends.launchers import Operands
 from tritonbn.distributed import resolve_group, world
 from tritonbn.groups import syncbn_group
 

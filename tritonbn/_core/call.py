@@ -27,7 +27,6 @@ import torch
 
 from tritonbn._compat import current_graph_task_id
 from tritonbn.activations import output_gives_grad
-from tritonbn.backends.launchers import Operands, Saved  # noqa: F401 - the records a backend's launchers read
 from tritonbn.distributed import world
 
 

@@ -39,7 +39,7 @@ def check_inputs(operands, momentum: float | None, eps: float, training: bool, n
 
     As in torch, ``eps`` must be positive in training and non-negative in eval, and ``momentum``
     (unused in eval) is only checked in training. ``operands``: the call's
-    :class:`~tritonbn._core.call.Operands` (its mask and sink are checked elsewhere).
+    :class:`~tritonbn.backends.launchers.Operands` (its mask and sink are checked elsewhere).
     """
     input, residual, num_batches_tracked = operands.input, operands.residual, operands.num_batches_tracked
     running_mean, running_var, weight, bias = (
@@ -142,7 +142,7 @@ def mask_from_lengths(input: torch.Tensor, lengths, mask: torch.Tensor | None = 
 
 def check_call(settings, operands, num_features: int | None = None) -> None:
     """Every check of one call (a :class:`~tritonbn._core.call.LayerSettings` and its
-    :class:`~tritonbn._core.call.Operands`): :func:`check_inputs` and the rules that need the layer's mode."""
+    :class:`~tritonbn.backends.launchers.Operands`): :func:`check_inputs` and the rules that need the layer's mode."""
     t = operands
     training = settings.batch_stats
     check_inputs(t, settings.momentum, settings.eps, training, num_features)

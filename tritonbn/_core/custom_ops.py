@@ -14,10 +14,11 @@ import torch
 
 from tritonbn._compat import forward_ad_active, resolve_process_group
 from tritonbn._core import higher_order
-from tritonbn._core.call import LayerSettings, Operands, Saved, kept, settings_for, stats_shape
+from tritonbn._core.call import LayerSettings, kept, settings_for, stats_shape
 from tritonbn._core.passes import backward_pass, forward_pass
 from tritonbn._numerics import compute_dtype
 from tritonbn.backend import ops_for
+from tritonbn.backends.launchers import Operands, Saved
 
 
 def group_name(group) -> str:

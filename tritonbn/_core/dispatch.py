@@ -8,7 +8,7 @@ call that repeats the layer's last checked one (:class:`~tritonbn._core.call.Cal
 the route kept there, without the checks.
 
 A call is a :class:`~tritonbn._core.call.LayerSettings` (built by :func:`~tritonbn._core.call.settings_for`,
-once per module) and its :class:`~tritonbn._core.call.Operands`.
+once per module) and its :class:`~tritonbn.backends.launchers.Operands`.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 from tritonbn._compat import jit_tracing, torch_function_subclass
-from tritonbn._core.call import LayerSettings, Operands, in_backward
+from tritonbn._core.call import LayerSettings, in_backward
 from tritonbn._core.checks import check_call, check_eager_call, check_traced_call, repeats
 from tritonbn._core.lowering import exporter
 from tritonbn._core.route import context, is_eager, route_for
 from tritonbn._signature import check_signature, debug_enabled, signature
+from tritonbn.backends.launchers import Operands
 
 
 def run(settings: LayerSettings, operands: Operands, num_features: int | None = None) -> torch.Tensor:

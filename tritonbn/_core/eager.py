@@ -10,8 +10,9 @@ import torch
 
 from tritonbn._compat import forward_ad_active
 from tritonbn._core import higher_order
-from tritonbn._core.call import Saved, kept
+from tritonbn._core.call import kept
 from tritonbn._core.passes import backward_pass, forward_pass
+from tritonbn.backends.launchers import Saved
 
 
 class EagerBatchNormFunction(torch.autograd.Function):

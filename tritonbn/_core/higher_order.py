@@ -96,7 +96,7 @@ def _act_grad(g, z, activation, slope, output):
 def backward(layer, grad_out, saved, needs):
     """``(dx, dweight, dbias, dresidual)`` as differentiable functions of the inputs and ``grad_out``.
 
-    ``layer`` is the layer's settings, ``saved`` the forward's :class:`~tritonbn._core.call.Saved`. ``needs`` is
+    ``layer`` is the layer's settings, ``saved`` the forward's :class:`~tritonbn.backends.launchers.Saved`. ``needs`` is
     ``(input, weight, bias, residual)`` from ``ctx.needs_input_grad``; what is not needed is ``None``.
     ``saved.output`` replaces ``saved.residual`` for the sign of ``z`` (see :mod:`tritonbn._core.passes`);
     relu's and leaky_relu's second derivative is zero, so the sign is all the double backward needs from it.

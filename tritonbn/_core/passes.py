@@ -59,9 +59,10 @@ from __future__ import annotations
 
 import torch
 
-from tritonbn._core.call import Saved, in_backward, synchronizes_with_nobody
+from tritonbn._core.call import in_backward, synchronizes_with_nobody
 from tritonbn._core.recompute import global_stats
 from tritonbn._signature import check_signature, debug_enabled, signature
+from tritonbn.backends.launchers import Saved
 from tritonbn.lockstep import all_reduce_sums
 
 
