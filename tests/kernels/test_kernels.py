@@ -77,6 +77,23 @@ def test_empty_batch_leaves_running_stats(backend_name):
     assert torch.isfinite(mean).all() and torch.isfinite(invstd).all()
 
 
+def test_launchers_refuse_arguments_that_contradict_each_other(backend_name):
+    """The public launchers (one signature for both backends, tritonbn/backends/launchers.py) name the argument a
+    call lacks, and change no buffer, instead of reading a tensor that is not there."""
+    ops = backend.ops_for(torch.empty(0))
+    x = torch.randn(3, 2, 5)
+    stats, rm, rv = ops.batch_norm_stats(x), torch.zeros(2), torch.ones(2)
+    with pytest.raises(ValueError, match="eval mode .stats=None. needs running_mean and running_var"):
+        ops.batch_norm_elemt(x, None, None, running_mean=rm)
+    with pytest.raises(ValueError, match="momentum=None needs num_batches_tracked"):
+        ops.batch_norm_elemt(x, None, None, stats=stats, running_mean=rm, running_var=rv, momentum=None)
+    assert torch.equal(rm, torch.zeros(2)) and torch.equal(rv, torch.ones(2))
+    y, mean, invstd = ops.batch_norm_elemt(x, None, None, stats=stats)
+    sums = ops.batch_norm_backward_reduce(torch.ones_like(x), x, mean, invstd)[0]
+    with pytest.raises(ValueError, match="sums needs count"):
+        ops.batch_norm_backward_elemt(torch.ones_like(x), x, mean, invstd, None, sums)
+
+
 def test_backend_switch(monkeypatch):
     cpu = torch.empty(0, device="cpu")
     monkeypatch.setenv("TRITONBN_BACKEND", "bogus")
