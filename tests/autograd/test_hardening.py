@@ -156,7 +156,6 @@ def test_functional_argument_errors(backend_name, name, kwargs, message):
         assert torch.equal(t, u)
 
 
-
 def test_internal_functional_form_refuses_unknown_keywords():
     """``tritonbn.functional.batch_norm`` (the benchmarks' and recalibration's form) names a keyword it does not
     know, as a function that spells its keywords out would, instead of dropping it."""
@@ -167,6 +166,7 @@ def test_internal_functional_form_refuses_unknown_keywords():
         batch_norm(x, None, None, None, None, True, 0.1, 1e-5, None, activaton="relu")
     y = batch_norm(x, None, None, None, None, True, 0.1, 1e-5, None, activation="relu")
     torch.testing.assert_close(y.double(), F.relu(F.batch_norm(x.double(), None, None, training=True)))
+
 
 # --- cross-rank mismatches: TRITONBN_DEBUG=1 -------------------------------------------------------
 
